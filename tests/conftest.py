@@ -1,0 +1,30 @@
+"""Shared test set-up.
+
+Without a CUDA device the Triton kernels run under the Triton interpreter on CPU.
+The variable must be set before any ``@triton.jit`` function is defined, so it is
+set here, before any test module imports the kit's kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (runs on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
