@@ -1,0 +1,208 @@
+"""`of3-megafold`: OF3's own commands with the kit active, plus `info` and `bench`.
+
+``train`` and ``predict`` take the same options as ``run_openfold train|predict``;
+they call :func:`of3_megafold.activate` first, so the kit's keys in
+``model_update.custom`` are honoured. ``train`` with no ``--runner-yaml`` runs the
+demo on the embedded tiny data set. Configuration errors end with one readable
+message and a non-zero exit status, not a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from of3_megafold.errors import KitError
+
+BENCHMARKS = {
+    "attention": "of3_megafold.bench.attention_core",
+    "smooth-lddt": "of3_megafold.bench.smooth_lddt",
+    "transition": "of3_megafold.bench.transition",
+    "step": "of3_megafold.bench.step",
+}
+"""``of3-megafold bench <what>`` -> module with ``run(out_json, quick)``."""
+
+DEFAULT_BENCH_DIR = Path("docs") / "benchmarks"
+
+
+@contextmanager
+def _user_errors():
+    """Turn configuration mistakes into one readable message and exit status 1."""
+    import pydantic
+
+    try:
+        yield
+    except KitError as err:
+        raise click.ClickException(str(err)) from err
+    except pydantic.ValidationError as err:
+        raise click.ClickException(f"runner YAML is not valid:\n{err}") from err
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        raise click.ClickException(
+            f"runner YAML could not be applied: {message}"
+        ) from err
+
+
+def _load_runner_yaml(path: Path, seed: int | None, data_seed: int | None) -> dict:
+    from openfold3.core.config import config_utils
+
+    with _user_errors():
+        runner = config_utils.load_yaml(path)
+        if not isinstance(runner, dict):
+            raise click.ClickException(f"{path}: not a YAML mapping")
+    if seed is not None:
+        runner.setdefault("experiment_settings", {})["seed"] = seed
+    if data_seed is not None:
+        runner.setdefault("data_module_args", {})["data_seed"] = data_seed
+    return runner
+
+
+@click.group()
+@click.version_option(package_name="of3-megafold")
+def main() -> None:
+    """OpenFold3 training with the of3-megafold kit (kernels, memory, parallelism)."""
+
+
+@main.command()
+@click.option(
+    "--runner-yaml",
+    "--runner_yaml",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="OF3 runner YAML (with the kit's keys under model_update.custom). "
+    "Without it: the demo on the embedded tiny data set.",
+)
+@click.option("--seed", type=int, help="Initial seed for all processes.")
+@click.option("--data-seed", "--data_seed", type=int, help="Seed for the data.")
+@click.option("--use_tf32", type=bool, default=False, help="Use TF32 matmuls.")
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("outputs") / "demo",
+    show_default=True,
+    help="Demo only: where the checkpoint, losses.csv and losses.png go.",
+)
+@click.option("--steps", type=int, help="Demo only: number of training steps.")
+def train(runner_yaml, seed, data_seed, use_tf32, output_dir, steps) -> None:
+    """Train OpenFold3 with the kit active (same options as `run_openfold train`)."""
+    from of3_megafold import activate
+
+    with _user_errors():
+        activate()
+    if runner_yaml is None:
+        from of3_megafold.demo.train import run_demo_training
+
+        with _user_errors():
+            run_demo_training(None, output_dir, steps=steps, seed=seed)
+        return
+
+    from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
+    from openfold3.entry_points.validator import TrainingExperimentConfig
+    from openfold3.run_openfold import _configure_torch_backend, _enable_tf32
+
+    _configure_torch_backend()
+    if use_tf32:
+        _enable_tf32()
+    runner_dict = _load_runner_yaml(runner_yaml, seed, data_seed)
+    with _user_errors():
+        expt_config = TrainingExperimentConfig.model_validate(runner_dict)
+        expt_runner = TrainingExperimentRunner(expt_config)
+    expt_runner.setup()
+    expt_runner.run()
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def predict(ctx: click.Context) -> None:
+    """Run `run_openfold predict` with the kit active (same options)."""
+    from openfold3.run_openfold import predict as of3_predict
+
+    from of3_megafold import activate
+
+    with _user_errors():
+        activate()
+        of3_predict.main(args=ctx.args, prog_name="of3-megafold predict")
+
+
+def info_rows() -> list[dict]:
+    """One row per extension: installed, available, reason, YAML keys."""
+    import of3_megafold.extensions  # noqa: F401
+    from of3_megafold import registry
+
+    rows = []
+    for ext in registry.EXTENSIONS.values():
+        installed, why_not_installed = ext.installed()
+        available, reason = ext.available()
+        rows.append(
+            {
+                "name": ext.name,
+                "summary": ext.summary,
+                "installed": installed,
+                "available": available,
+                "reason": reason if installed else why_not_installed,
+                "keys": [
+                    {"yaml": k.yaml_path, "default": k.default, "help": k.help}
+                    for k in ext.keys
+                ],
+            }
+        )
+    return rows
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def info(as_json: bool) -> None:
+    """Show every extension: installed, available here, why not, and its keys."""
+    rows = info_rows()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    width = shutil.get_terminal_size((100, 20)).columns
+    header = f"{'extension':<24}{'installed':<11}{'available':<11}reason"
+    click.echo(header)
+    click.echo("-" * min(width, 100))
+    for row in rows:
+        yes = {True: "yes", False: "no"}
+        click.echo(
+            f"{row['name']:<24}{yes[row['installed']]:<11}"
+            f"{yes[row['available']]:<11}{row['reason']}"
+        )
+        for key in row["keys"]:
+            click.echo(f"{'':4}{key['yaml']} (default {key['default']!r})")
+            for line in textwrap.wrap(key["help"], width=min(width, 100) - 8):
+                click.echo(f"{'':8}{line}")
+    if not rows:
+        click.echo("(no extensions registered)")
+
+
+@main.command()
+@click.argument("what", type=click.Choice(sorted(BENCHMARKS)))
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON file the rows are appended to [docs/benchmarks/<what>.json].",
+)
+@click.option("--quick", is_flag=True, help="A tiny smoke run (works on CPU).")
+def bench(what: str, out: Path | None, quick: bool) -> None:
+    """Compare the kit with stock OpenFold3 side by side, in one process."""
+    import importlib
+
+    from of3_megafold import activate
+
+    activate()
+    module = importlib.import_module(BENCHMARKS[what])
+    out = out or DEFAULT_BENCH_DIR / f"{what.replace('-', '_')}.json"
+    with _user_errors():
+        rows = module.run(out, quick=quick)
+    click.echo(f"{len(rows)} rows appended to {out}")
+
+
+if __name__ == "__main__":
+    main()

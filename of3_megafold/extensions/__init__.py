@@ -1,0 +1,5 @@
+"""One module per extension: its keys, its checks, its patch of OpenFold3.
+
+Importing this package registers every extension in :mod:`of3_megafold.registry`.
+Extension modules import OpenFold3 and the kernels lazily, inside their patches.
+"""

@@ -1,0 +1,43 @@
+"""Can Triton kernels run here? Shared by every Triton-backed extension.
+
+Kernels run on a CUDA GPU of compute capability 8.0 or newer (Ampere, Hopper, ...),
+or on the CPU under the Triton interpreter (``TRITON_INTERPRET=1``, slow: tests and
+small shapes only). The interpreter flag is read when a kernel is defined, so it must
+be set before the kit's kernel modules are imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+MIN_CAPABILITY = (8, 0)
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
+
+
+def triton_backend() -> tuple[bool, str]:
+    """``(ok, reason)``: whether the kit's Triton kernels can run in this process."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton is not installed; pip install triton (Linux)"
+    if interpreter_enabled():
+        return True, "Triton interpreter on the CPU (TRITON_INTERPRET=1; slow)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, (
+            "no CUDA device; run on a GPU of compute capability >= 8.0, or set "
+            "TRITON_INTERPRET=1 before starting Python to run the kernels on the "
+            "CPU (slow)"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if (major, minor) < MIN_CAPABILITY:
+        return False, (
+            f"{name} has compute capability {major}.{minor}; the kernels need "
+            f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+        )
+    return True, f"CUDA: {name} (sm_{major}{minor})"

@@ -1,0 +1,220 @@
+"""Extension records: the runner-YAML keys each extension adds, its guards, its patches.
+
+An :class:`Extension` declares
+
+- ``keys``: :class:`ConfigKey` entries registered into OF3's (unlocked) base model
+  config by :func:`of3_megafold.activate`, each with a default meaning "stock OF3",
+  so ``model_update.custom`` can set them exactly like OF3's own keys;
+- ``installed()``: its packages can be found (``importlib.util.find_spec``, no import);
+- ``available()``: it can run here now (device, Triton backend or interpreter);
+- ``patches``: what it changes in OF3. Patches are installed by ``activate`` and are
+  inert until a module's config (or ``activate(force=...)``) asks for the extension,
+  so activating the kit with every key at its default leaves OF3's behaviour unchanged.
+
+This module imports neither OpenFold3 nor Triton; extensions declare themselves in
+``of3_megafold.extensions`` and are looked up by name here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from of3_megafold.errors import ExtensionUnavailableError, KitConfigError
+
+Check = tuple[bool, str]
+
+_KILL_SWITCH = "OF3_MEGAFOLD_DISABLE"
+"""Comma-separated extension names (or ``all``) that are never available."""
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One runner-YAML key, addressed from the root of OF3's model config.
+
+    Attributes:
+        path: e.g. ``("settings", "memory", "train", "use_evoflash_attention")``;
+            the YAML form is ``model_update.custom.<path>``.
+        default: the value that means "stock OF3 behaviour". ``None`` accepts any
+            type later (ml_collections rule); otherwise OF3's config type-checks.
+        help: one line for ``of3-megafold info``, the README and the docs.
+        choices: allowed values, checked when a runner builds its config.
+    """
+
+    path: tuple[str, ...]
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def yaml_path(self) -> str:
+        return "model_update.custom." + self.dotted
+
+    def read(self, config: Any) -> Any:
+        """The key's value in a (merged) OF3 model config."""
+        node = config
+        for part in self.path:
+            node = node[part]
+        return node
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``module:qualname`` with ``make(original)`` while the kit is active.
+
+    ``target`` is ``"package.module:Class.attribute"`` or ``"package.module:name"``.
+    """
+
+    target: str
+    make: Callable[[Any], Any]
+
+
+def _python_packages_check(packages: tuple[str, ...]) -> Check:
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        return False, (
+            f"missing Python package(s): {', '.join(missing)}; "
+            f"install them (pip install {' '.join(missing)})"
+        )
+    return True, "packages found"
+
+
+def _always_ok() -> Check:
+    return True, "runs everywhere"
+
+
+@dataclass
+class Extension:
+    """An optional part of the kit, switched on by its runner-YAML keys.
+
+    Attributes:
+        name: used in ``info``, ``activate(force=...)``, the pytest plugin and docs.
+        summary: one line saying what it buys.
+        keys: its runner-YAML keys.
+        requires: Python packages it needs (``installed()``).
+        device_check: whether it can run on this machine now (``available()``).
+        requested: does a merged OF3 model config ask for it?
+        enable_update: a ``model_update.custom`` fragment that turns it on (used by
+            the benchmarks and shown in the docs).
+        patches: changes to OF3, inert until a config or ``force`` asks for them.
+        validate: extra checks of a merged config beyond key choices (for example
+            mutual exclusion with OF3's own kernel flags); raises KitConfigError.
+        variants: values accepted after ``name:`` in ``force`` (first = default).
+    """
+
+    name: str
+    summary: str
+    keys: tuple[ConfigKey, ...]
+    requested: Callable[[Any], bool]
+    enable_update: Mapping[str, Any]
+    requires: tuple[str, ...] = ()
+    device_check: Callable[[], Check] = _always_ok
+    patches: tuple[Patch, ...] = ()
+    validate: Callable[[Any], None] | None = None
+    variants: tuple[str, ...] = ()
+    docs: str = ""
+
+    def installed(self) -> Check:
+        return _python_packages_check(self.requires)
+
+    def available(self) -> Check:
+        ok, reason = self.installed()
+        if not ok:
+            return ok, reason
+        disabled = {
+            s.strip() for s in os.environ.get(_KILL_SWITCH, "").split(",") if s.strip()
+        }
+        if self.name in disabled or "all" in disabled:
+            return False, f"disabled by {_KILL_SWITCH}; unset it to enable"
+        return self.device_check()
+
+    def require_available(self) -> None:
+        """Raise ExtensionUnavailableError naming the missing piece and the fix."""
+        ok, reason = self.available()
+        if not ok:
+            raise ExtensionUnavailableError(
+                f"extension '{self.name}' was requested but is not available here: "
+                f"{reason}"
+            )
+
+    def check_config(self, config: Any) -> None:
+        """Check key choices and extension-specific rules on a merged config."""
+        for key in self.keys:
+            value = key.read(config)
+            if key.choices is not None and value not in key.choices:
+                allowed = ", ".join(repr(c) for c in key.choices)
+                raise KitConfigError(
+                    f"{key.yaml_path}: {value!r} is not allowed; "
+                    f"allowed values: {allowed}"
+                )
+        if self.validate is not None:
+            self.validate(config)
+
+
+EXTENSIONS: dict[str, Extension] = {}
+"""Every registered extension by name, in registration order."""
+
+
+def register(extension: Extension) -> Extension:
+    """Add an extension to :data:`EXTENSIONS` (names are unique)."""
+    if extension.name in EXTENSIONS:
+        raise ValueError(f"extension {extension.name!r} is already registered")
+    EXTENSIONS[extension.name] = extension
+    return extension
+
+
+def unregister(name: str) -> None:
+    """Remove an extension (tests register throwaway extensions)."""
+    EXTENSIONS.pop(name, None)
+
+
+def get(name: str) -> Extension:
+    """Look up an extension, with the known names in the error."""
+    try:
+        return EXTENSIONS[name]
+    except KeyError:
+        known = ", ".join(EXTENSIONS) or "none"
+        raise KitConfigError(
+            f"unknown extension {name!r}; known extensions: {known}"
+        ) from None
+
+
+@dataclass
+class _ForceState:
+    """Extensions forced on by ``activate(force=...)``: name -> chosen variant."""
+
+    variants: dict[str, str] = field(default_factory=dict)
+
+
+FORCED = _ForceState()
+
+
+def forced_variant(name: str) -> str | None:
+    """The variant an extension is forced to (``""`` if it has none), else None."""
+    return FORCED.variants.get(name)
+
+
+MEMORY_ATTR = "_megafold_memory"
+"""Attribute the kit sets on every submodule of an ``OpenFold3`` model: a reference
+to the model's ``config.settings.memory`` (train and eval sections)."""
+
+
+def module_flag(module: Any, key: str) -> bool:
+    """Whether ``settings.memory.<mode>.<key>`` is on for this module's model.
+
+    ``mode`` follows ``module.training`` (the same rule as OF3's
+    ``_get_mode_mem_settings``). Modules built outside an ``OpenFold3`` model carry
+    no settings and read as off.
+    """
+    memory = getattr(module, MEMORY_ATTR, None)
+    if memory is None:
+        return False
+    mode = memory.train if module.training else memory.eval
+    return bool(mode.get(key, False))

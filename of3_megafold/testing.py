@@ -1,0 +1,54 @@
+"""pytest plugin: run OpenFold3's own test suite with the kit active.
+
+Usage::
+
+    pytest -p of3_megafold.testing --pyargs openfold3.tests --skip-ccd-update \\
+        --of3-megafold-extensions=all   # or: evoflash_attention,smooth_lddt:fused
+
+``--of3-megafold-extensions`` takes ``none`` (the default: kit active, nothing
+forced, which must give the same results as stock OF3), ``all``, or a comma list of
+extension names, each optionally ``name:variant``. The named extensions are forced on
+wherever OF3 builds or calls the modules they replace. The Triton kernels need a CUDA
+device or ``TRITON_INTERPRET=1``; without a GPU this plugin sets the interpreter
+before any kernel is defined.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+OPTION = "--of3-megafold-extensions"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("of3-megafold")
+    group.addoption(
+        OPTION,
+        default="none",
+        help="extensions to force on: none, all, or name[:variant],... "
+        "(default: none; the kit is active but inert)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from of3_megafold import activate
+
+    choice = config.getoption(OPTION)
+    activate(force=() if choice == "none" else choice)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from of3_megafold import registry
+
+    forced = registry.FORCED.variants
+    described = (
+        ", ".join(f"{n}:{v}" if v else n for n, v in forced.items()) or "none forced"
+    )
+    return f"of3-megafold: active, {described}"

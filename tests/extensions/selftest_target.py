@@ -1,0 +1,5 @@
+"""A stand-in for an OpenFold3 function, patched by the test-only extension."""
+
+
+def compute(x: float) -> float:
+    return x + 1.0

@@ -1,0 +1,195 @@
+"""The registry and activation against OpenFold3's real config machinery.
+
+A test-only extension (key ``settings.memory.train.use_megafold_selftest``, a choice
+key under the diffusion loss, a patch of a stand-in function) exercises every path
+the real extensions use.
+"""
+
+import pytest
+
+from of3_megafold import activate, deactivate, registry
+from of3_megafold.errors import ExtensionUnavailableError, KitConfigError
+from tests.extensions import selftest_target
+
+SELFTEST_KEY = registry.ConfigKey(
+    ("settings", "memory", "train", "use_megafold_selftest"),
+    False,
+    "test-only flag",
+)
+CHOICE_KEY = registry.ConfigKey(
+    ("architecture", "loss_module", "diffusion", "megafold_selftest_mode"),
+    "stock",
+    "test-only choice",
+    choices=("stock", "fast"),
+)
+
+
+def _patch_compute(original):
+    def compute(x):
+        if registry.forced_variant("selftest") is not None:
+            return original(x) * 10.0
+        return original(x)
+
+    return compute
+
+
+@pytest.fixture
+def selftest(monkeypatch):
+    """Register the test-only extension; ``state['available']`` toggles it."""
+    deactivate()
+    state = {"available": True}
+    ext = registry.register(
+        registry.Extension(
+            name="selftest",
+            summary="test-only",
+            keys=(SELFTEST_KEY, CHOICE_KEY),
+            requested=lambda c: (
+                bool(SELFTEST_KEY.read(c)) or CHOICE_KEY.read(c) != "stock"
+            ),
+            enable_update={
+                "settings": {"memory": {"train": {"use_megafold_selftest": True}}}
+            },
+            device_check=lambda: (
+                (True, "ok")
+                if state["available"]
+                else (False, "no frobnicator; install frobnicator>=2")
+            ),
+            patches=(
+                registry.Patch(
+                    "tests.extensions.selftest_target:compute", _patch_compute
+                ),
+            ),
+            variants=("x10",),
+        )
+    )
+    activate()
+    yield state, ext
+    deactivate()
+    registry.unregister("selftest")
+
+
+def _entry():
+    from openfold3.projects.of3_all_atom.project_entry import (
+        ModelUpdate,
+        OF3ProjectEntry,
+    )
+
+    return OF3ProjectEntry(), ModelUpdate
+
+
+def test_keys_have_stock_defaults_and_can_be_set(selftest):
+    entry, ModelUpdate = _entry()
+    config = entry.get_model_config_with_update(ModelUpdate(presets=["train"]))
+    assert config.settings.memory.train.use_megafold_selftest is False
+    custom = {"settings": {"memory": {"train": {"use_megafold_selftest": True}}}}
+    config = entry.get_model_config_with_update(ModelUpdate(custom=custom))
+    assert config.settings.memory.train.use_megafold_selftest is True
+
+
+def test_unknown_key_still_fails_like_of3(selftest):
+    entry, ModelUpdate = _entry()
+    custom = {"settings": {"memory": {"train": {"use_megafold_selftset": True}}}}
+    with pytest.raises(KeyError, match="locked"):
+        entry.get_model_config_with_update(ModelUpdate(custom=custom))
+
+
+def test_bad_choice_names_key_value_and_allowed(selftest):
+    entry, ModelUpdate = _entry()
+    custom = {
+        "architecture": {
+            "loss_module": {"diffusion": {"megafold_selftest_mode": "fsat"}}
+        }
+    }
+    with pytest.raises(KitConfigError) as err:
+        entry.get_model_config_with_update(ModelUpdate(custom=custom))
+    message = str(err.value)
+    assert "megafold_selftest_mode" in message
+    assert "'fsat'" in message
+    assert "'stock', 'fast'" in message
+
+
+def test_requested_but_unavailable_names_the_fix(selftest):
+    state, _ = selftest
+    state["available"] = False
+    entry, ModelUpdate = _entry()
+    custom = {"settings": {"memory": {"train": {"use_megafold_selftest": True}}}}
+    with pytest.raises(ExtensionUnavailableError, match="install frobnicator"):
+        entry.get_model_config_with_update(ModelUpdate(custom=custom))
+    # Not requested: an unavailable extension is no obstacle.
+    entry.get_model_config_with_update(ModelUpdate())
+
+
+def test_kill_switch(selftest, monkeypatch):
+    _, ext = selftest
+    monkeypatch.setenv("OF3_MEGAFOLD_DISABLE", "selftest")
+    ok, reason = ext.available()
+    assert not ok and "OF3_MEGAFOLD_DISABLE" in reason
+
+
+def test_patch_is_inert_until_forced(selftest):
+    assert selftest_target.compute(1.0) == 2.0
+    activate(force=["selftest"])
+    assert registry.forced_variant("selftest") == "x10"
+    assert selftest_target.compute(1.0) == 20.0
+    activate()
+    assert selftest_target.compute(1.0) == 2.0
+
+
+def test_force_rejects_unknown_names_and_unavailable(selftest):
+    state, _ = selftest
+    with pytest.raises(KitConfigError, match="known extensions"):
+        activate(force=["no_such_extension"])
+    with pytest.raises(KitConfigError, match="variants: x10"):
+        activate(force=["selftest:x100"])
+    state["available"] = False
+    with pytest.raises(ExtensionUnavailableError, match="frobnicator"):
+        activate(force="selftest")
+
+
+def test_activate_is_idempotent_and_deactivate_restores(selftest):
+    from openfold3.projects.of3_all_atom.config.model_config import model_config
+
+    original = selftest_target.compute
+    activate()
+    activate()
+    assert selftest_target.compute is original
+    assert "use_megafold_selftest" in model_config.settings.memory.train
+    deactivate()
+    assert "use_megafold_selftest" not in model_config.settings.memory.train
+    assert selftest_target.compute.__name__ == "compute"
+    assert selftest_target.compute(1.0) == 2.0
+    activate()  # the fixture's teardown expects an active kit
+
+
+def test_runner_yaml_model_update_validates_through_of3(selftest):
+    import yaml
+
+    entry, ModelUpdate = _entry()
+    runner = yaml.safe_load(
+        """
+        model_update:
+          presets: [train]
+          custom:
+            settings:
+              memory:
+                train:
+                  use_megafold_selftest: true
+        """
+    )
+    update = ModelUpdate.model_validate(runner["model_update"])
+    config = entry.get_model_config_with_update(update)
+    assert config.settings.memory.train.use_megafold_selftest is True
+
+
+def test_module_flag_reads_the_model_mode():
+    import torch
+    from ml_collections import ConfigDict
+
+    memory = ConfigDict({"train": {"flag": True}, "eval": {"flag": False}})
+    module = torch.nn.Linear(2, 2)
+    assert registry.module_flag(module, "flag") is False  # built outside OF3
+    object.__setattr__(module, registry.MEMORY_ATTR, memory)
+    module.train()
+    assert registry.module_flag(module, "flag") is True
+    module.eval()
+    assert registry.module_flag(module, "flag") is False
