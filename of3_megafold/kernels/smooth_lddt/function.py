@@ -1,0 +1,106 @@
+"""Autograd functions and functional API of the smooth lDDT kernels.
+
+Two backends with OpenFold3's ``smooth_lddt_loss`` semantics (see ``reference.py``):
+
+* ``smooth_lddt_fused``: exact. Sorts atoms along a Morton curve of the ground truth,
+  skips block pairs whose bounding boxes are beyond the inclusion radius, and sweeps
+  the rest with the loss and its gradient in one pass. O(N) memory, deterministic.
+* ``smooth_lddt_ball_query``: a sampled estimator. At most ``max_neighbors`` in-radius
+  neighbours per atom (a uniform random subset when there are more), scored sparsely.
+  Unbiased for the loss and its gradient; exact when no atom has more neighbours
+  than ``max_neighbors``.
+
+Both return ``[B, S]`` float32 (one loss per batch element and sample, as OF3's function
+does; OF3 averages over samples afterwards).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._fused import smooth_lddt_fused_fwd
+from ._spatial import make_plan
+from .reference import normalize_inputs
+
+FUSED_BLOCK_ROWS = 64
+FUSED_BLOCK_COLS = 32
+
+
+def _loss_from_sums(
+    a_sum: torch.Tensor, c_sum: torch.Tensor, n_valid: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and dLoss/dA per (b, s) from the pair sums, in float64.
+
+    ``M = sum m = n (n - 1)`` exactly: the pair mask is the outer product of the atom
+    mask without the diagonal.
+    """
+    n = n_valid.double()[:, None]
+    m_sum = n * (n - 1)
+    c_mean = c_sum.double() / (m_sum + eps) + eps
+    loss = 1 - (a_sum / (m_sum + eps)) / c_mean
+    dloss_da = -1.0 / ((m_sum + eps) * c_mean)
+    return loss, dloss_da.expand_as(loss)
+
+
+class SmoothLDDTFusedFunction(torch.autograd.Function):
+    """Exact smooth lDDT, loss and gradient in one pass (see ``_fused.py``)."""
+
+    @staticmethod
+    def forward(ctx, x, truth, is_nucleotide, atom_mask, eps, split, num_warps):
+        truth, nuc, valid = normalize_inputs(x, truth, is_nucleotide, atom_mask)
+        b, s, n, _ = x.shape
+        plan = make_plan(truth, nuc, valid, FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
+        index = plan.perm[:, None, :, None].expand(b, s, n, 3)
+        x_sorted = torch.gather(x.float(), 2, index).transpose(2, 3).contiguous()
+        want_grad = ctx.needs_input_grad[0]
+        a_sum, c_sum, grad = smooth_lddt_fused_fwd(
+            x_sorted, plan, eps, want_grad, split=split, num_warps=num_warps
+        )
+        loss, dloss_da = _loss_from_sums(a_sum, c_sum, plan.n_valid, eps)
+        if want_grad:
+            # Back to the original atom order, [B, S, N, 3], already times dL/dA.
+            grad = grad * dloss_da[..., None, None].float()
+            inv = plan.inv_perm[:, None, None, :].expand(b, s, 3, n)
+            grad = torch.gather(grad, 3, inv).transpose(2, 3)
+            ctx.save_for_backward(grad)
+            ctx.x_dtype = x.dtype
+        return loss.float()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        grad_x = (grad * grad_loss[..., None, None].float()).to(ctx.x_dtype)
+        return grad_x, None, None, None, None, None, None
+
+
+def smooth_lddt_fused(
+    x: torch.Tensor,
+    truth: torch.Tensor,
+    is_nucleotide: torch.Tensor,
+    atom_mask: torch.Tensor,
+    eps: float = 1e-8,
+    split: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Exact smooth lDDT loss with O(N) memory (Triton).
+
+    Args:
+        x: ``[B, S, N, 3]`` predicted positions, float32/bfloat16/float16 (computed in
+            float32). Gradients flow to ``x`` only.
+        truth: ``[B, 1, N, 3]`` or ``[B, N, 3]`` ground truth, shared by the samples.
+        is_nucleotide: ``[B, N]`` or ``[B, 1, N]``, non-zero for DNA/RNA atoms (their
+            rows use the 30 A inclusion radius, others 15 A).
+        atom_mask: ``[B, N]`` or ``[B, 1, N]``, non-zero for atoms in the loss (OF3: the
+            token loss mask broadcast to atoms times ``atom_resolved_mask``).
+        eps: OF3's eps.
+        split: column splits per row block (a launch detail; default fills the GPU).
+        num_warps: Triton warps per program.
+
+    Returns:
+        ``[B, S]`` float32 loss, equal to OF3's ``smooth_lddt_loss`` up to fp32
+        rounding. The gradient is computed during the forward when ``x`` requires it
+        (``B * S * N * 3`` floats are kept for the backward) and is deterministic.
+    """
+    return SmoothLDDTFusedFunction.apply(
+        x, truth, is_nucleotide, atom_mask, eps, split, num_warps
+    )
