@@ -1,0 +1,255 @@
+"""Backward kernels of the fused SwiGLU transition (private; see ``function.py``).
+
+Nothing of the ``[rows, n*c]`` hidden activations was kept by the forward pass; both
+kernels recompute ``xn = LN(x)`` from ``x`` and the saved per-row mean / rstd, and
+``a = xn w_a^T``, ``b = xn w_b^T``, ``dh = dy w_out`` chunk by chunk, with
+(``s = sigmoid(a)``)::
+
+    h  = a s b
+    db = dh a s
+    da = dh b s (1 + a (1 - s))
+
+The input gradient wants a sum over the hidden dimension for each row; the weight
+gradients want a sum over all rows for each hidden unit. One schedule cannot hold
+both sums in registers (the weight gradients of one ``[128, 512]`` transition are
+768 KiB in fp32) and flushing partial weight gradients per row block costs more
+L2/atomic traffic than recomputing ``a, b, dh``. So there are two kernels, the
+split that flash-attention's backward makes between dQ and dK/dV:
+
+* ``_swiglu_transition_bwd_input_kernel``: a program per ``BLOCK_M`` rows loops over
+  hidden chunks, accumulates ``dxn = da w_a + db w_b`` in fp32 registers, then does
+  the LayerNorm backward in place and writes ``dx`` plus per-program partial sums
+  for the LayerNorm scale/offset gradients. Five matmuls per chunk.
+* ``_swiglu_transition_bwd_weight_kernel``: a program per (hidden chunk, row split)
+  keeps ``dw_a, dw_b, dw_out`` of its chunk in fp32 registers while it walks its
+  share of the row blocks, and writes them to a per-split partial buffer that the
+  launcher sums (deterministic, no atomics). Six matmuls per chunk.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from of3_megafold.kernels.backend import interpreter_enabled
+from of3_megafold.kernels.swiglu_transition._fwd import (
+    _mm,
+    _out_weight_tile_cn,
+    _sigmoid,
+    _weight_tile_kn,
+)
+
+
+@triton.jit
+def _recompute_rows(
+    X, LN_W, LN_B, MEAN, RSTD, DY, MASK,
+    rows, cols, row_ok, col_ok, stride_x, stride_dy,
+    NORMALIZE: tl.constexpr, HAS_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """``(xn, xhat, rstd, dy)`` of a row block: the matmul input in the compute
+    dtype, the fp32 normalised rows (zero outside), their rstd, and the masked
+    output gradient in the compute dtype (zero on padded rows, so padded rows add
+    nothing to any sum)."""
+    rows64 = rows.to(tl.int64)
+    io_mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(
+        X + rows64[:, None] * stride_x + cols[None, :], mask=io_mask, other=0.0
+    ).to(tl.float32)
+    if NORMALIZE:
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(io_mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        ln_w = tl.load(LN_W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xn = (xhat * ln_w[None, :] + ln_b[None, :]).to(COMPUTE_DTYPE)
+    else:
+        rstd = tl.full((rows.shape[0],), 1.0, tl.float32)
+        xhat = x
+        xn = x.to(COMPUTE_DTYPE)
+    dy = tl.load(
+        DY + rows64[:, None] * stride_dy + cols[None, :], mask=io_mask, other=0.0
+    ).to(tl.float32)
+    if HAS_MASK:
+        row_mask = tl.load(MASK + rows, mask=row_ok, other=0.0).to(tl.float32)
+        dy = dy * row_mask[:, None]
+    return xn, xhat, rstd, dy.to(COMPUTE_DTYPE)
+
+
+def bwd_input_configs() -> list[triton.Config]:
+    """Autotuning space of the input-gradient kernel."""
+    if interpreter_enabled():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_H": 32}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w, num_stages=s)
+        for bm, bh, w, s in (
+            (128, 64, 8, 3),
+            (128, 32, 8, 3),
+            (64, 64, 4, 3),
+            (64, 128, 8, 3),
+        )
+    ]
+
+
+# Rows of the LayerNorm-gradient partial buffer: one per program of the smallest
+# BLOCK_M in the autotuning space (larger blocks leave the tail rows at zero).
+MIN_BWD_INPUT_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in bwd_input_configs())
+
+
+@triton.autotune(
+    configs=bwd_input_configs(),
+    key=["C", "H", "NORMALIZE", "HAS_MASK"],
+    # Configs with a larger BLOCK_M write fewer partial rows: the benchmarking runs
+    # must not leave stale rows behind.
+    reset_to_zero=["DLN_W_PART", "DLN_B_PART"],
+)
+@triton.jit
+def _swiglu_transition_bwd_input_kernel(
+    X, LN_W, LN_B, W_A, W_B, W_OUT, MASK, DY, MEAN, RSTD,
+    DX,  # [M, C] written when STORE_DX
+    DLN_W_PART,  # [>= programs, C] fp32, row pid written when LN_GRAD
+    DLN_B_PART,
+    M, C, H, stride_x, stride_dy, stride_dx,
+    NORMALIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    STORE_DX: tl.constexpr,
+    LN_GRAD: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    WIDEN_BF16: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok = rows < M
+    col_ok = cols < C
+    xn, xhat, rstd, dy = _recompute_rows(
+        X, LN_W, LN_B, MEAN, RSTD, DY, MASK, rows, cols, row_ok, col_ok,
+        stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty,
+    )  # fmt: skip
+
+    dxn = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for k in range(0, H, BLOCK_H):
+        hid = k + tl.arange(0, BLOCK_H)
+        h_ok = hid < H
+        w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
+        w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
+        w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, WIDEN_BF16)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, WIDEN_BF16)
+        dh = _mm(dy, w_out, None, INPUT_PRECISION, WIDEN_BF16)
+        sig = _sigmoid(a, FAST_SIGMOID)
+        db = (dh * a * sig).to(xn.dtype)
+        da = (dh * b * sig * (1.0 + a * (1.0 - sig))).to(xn.dtype)
+        dxn = _mm(da, tl.trans(w_a), dxn, INPUT_PRECISION, WIDEN_BF16)
+        dxn = _mm(db, tl.trans(w_b), dxn, INPUT_PRECISION, WIDEN_BF16)
+
+    if NORMALIZE:
+        if LN_GRAD:
+            tl.store(DLN_W_PART + pid * C + cols, tl.sum(dxn * xhat, axis=0), col_ok)
+            tl.store(DLN_B_PART + pid * C + cols, tl.sum(dxn, axis=0), col_ok)
+        if STORE_DX:
+            ln_w = tl.load(LN_W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            g = dxn * ln_w[None, :]
+            mean_g = tl.sum(g, axis=1) / C
+            mean_gx = tl.sum(g * xhat, axis=1) / C
+            dx = (g - mean_g[:, None] - xhat * mean_gx[:, None]) * rstd[:, None]
+    else:
+        dx = dxn
+    if STORE_DX:
+        rows64 = rows.to(tl.int64)
+        tl.store(
+            DX + rows64[:, None] * stride_dx + cols[None, :],
+            dx.to(DX.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+
+def bwd_weight_configs() -> list[triton.Config]:
+    """Autotuning space of the weight-gradient kernel. Its three ``[BLOCK_H, C]``
+    fp32 accumulators live in registers for the whole program, so the tiles are
+    smaller than in the other two kernels."""
+    if interpreter_enabled():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_H": 16}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w, num_stages=s)
+        for bm, bh, w, s in (
+            (64, 64, 8, 3),
+            (64, 32, 4, 3),
+            (128, 32, 8, 3),
+            (128, 64, 8, 2),
+        )
+    ]
+
+
+@triton.autotune(
+    configs=bwd_weight_configs(),
+    key=["C", "H", "NORMALIZE", "HAS_MASK"],
+    # The number of row splits depends on BLOCK_H; unused split rows must be zero.
+    reset_to_zero=["DW_A_PART", "DW_B_PART", "DW_OUT_PART"],
+)
+@triton.jit
+def _swiglu_transition_bwd_weight_kernel(
+    X, LN_W, LN_B, W_A, W_B, W_OUT, MASK, DY, MEAN, RSTD,
+    DW_A_PART,  # [splits, H, C] fp32, written when NEED_DW_AB
+    DW_B_PART,  # [splits, H, C] fp32
+    DW_OUT_PART,  # [splits, C, H] fp32, written when NEED_DW_OUT
+    M, C, H, stride_x, stride_dy,
+    NORMALIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    NEED_DW_AB: tl.constexpr,
+    NEED_DW_OUT: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    WIDEN_BF16: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    pid_h = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    hid = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_C)
+    h_ok = hid < H
+    col_ok = cols < C
+    # This program's chunk of the weights stays in registers / shared memory.
+    w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
+    w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
+    w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
+
+    dw_a = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    dw_b = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    dw_out = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
+    # Row blocks are dealt round-robin, so every split gets the same share.
+    for block in range(split, tl.cdiv(M, BLOCK_M), n_splits):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        xn, xhat, rstd, dy = _recompute_rows(
+            X, LN_W, LN_B, MEAN, RSTD, DY, MASK, rows, cols, row_ok, col_ok,
+            stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty,
+        )  # fmt: skip
+        a = _mm(xn, w_a, None, INPUT_PRECISION, WIDEN_BF16)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, WIDEN_BF16)
+        sig = _sigmoid(a, FAST_SIGMOID)
+        silu = a * sig
+        if NEED_DW_OUT:
+            h = (silu * b).to(xn.dtype)
+            dw_out = _mm(tl.trans(dy), h, dw_out, INPUT_PRECISION, WIDEN_BF16)
+        if NEED_DW_AB:
+            dh = _mm(dy, w_out, None, INPUT_PRECISION, WIDEN_BF16)
+            db = (dh * silu).to(xn.dtype)
+            da = (dh * b * sig * (1.0 + a * (1.0 - sig))).to(xn.dtype)
+            dw_a = _mm(tl.trans(da), xn, dw_a, INPUT_PRECISION, WIDEN_BF16)
+            dw_b = _mm(tl.trans(db), xn, dw_b, INPUT_PRECISION, WIDEN_BF16)
+
+    part_hc = split * H * C + hid[:, None] * C + cols[None, :]
+    mask_hc = h_ok[:, None] & col_ok[None, :]
+    if NEED_DW_AB:
+        tl.store(DW_A_PART + part_hc, dw_a, mask=mask_hc)
+        tl.store(DW_B_PART + part_hc, dw_b, mask=mask_hc)
+    if NEED_DW_OUT:
+        part_ch = split * C * H + cols[:, None] * H + hid[None, :]
+        tl.store(DW_OUT_PART + part_ch, dw_out, mask=col_ok[:, None] & h_ok[None, :])

@@ -1,0 +1,167 @@
+"""Forward kernel of the fused SwiGLU transition (private; see ``function.py``).
+
+One program owns ``BLOCK_M`` rows. It normalises them in fp32 registers, then walks
+the hidden dimension in chunks of ``BLOCK_H``::
+
+    a = xn @ w_a[chunk].T ; b = xn @ w_b[chunk].T ; h = silu(a) * b
+    acc += h @ w_out[:, chunk].T
+
+so the ``[rows, n*c]`` hidden activations never reach global memory (the fused-MLP
+schedule of flash-attention's ``fused_dense``/"FusedMLP", written here for
+LayerNorm + SwiGLU). The three weight matrices are re-read from L2 by every program.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from of3_megafold.kernels.backend import interpreter_enabled
+
+
+@triton.jit
+def _sigmoid(a, FAST_SIGMOID: tl.constexpr):
+    """fp32 logistic function.
+
+    ``FAST_SIGMOID`` uses one ``tanh.approx.f32`` (one MUFU op instead of an exp and
+    a reciprocal): sigmoid(a) = 0.5 + 0.5 * tanh(a / 2), absolute error <= ~2.5e-4,
+    far below bf16/fp16 rounding; only enabled for 16-bit compute on a GPU. At c=128
+    the three short-K matmuls per hidden element leave the special-function unit as
+    busy as the tensor cores, so the second MUFU op would be on the critical path.
+    """
+    if FAST_SIGMOID:
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;",
+            "=f,f",
+            [a * 0.5],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+        return 0.5 * t + 0.5
+    else:
+        return 1.0 / (1.0 + tl.exp(-a))
+
+
+@triton.jit
+def _mm(a, b, acc, INPUT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr):
+    """``tl.dot(a, b, acc)``. The Triton interpreter multiplies bf16 operands as
+    their raw uint16 bit patterns (triton 3.9 ``InterpreterBuilder.create_dot``), so
+    under the interpreter bf16 operands are widened to fp32 first: exact, as every
+    bf16 is an fp32, and the products are accumulated in fp32 either way."""
+    if WIDEN_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _weight_tile_kn(W, hid, cols, h_ok, col_ok, C):
+    """``[BLOCK_C, BLOCK_H]`` tile ``W[hid, cols].T`` of a ``[H, C]`` weight (zeros
+    outside), the K-major right operand of ``rows @ W[chunk].T``."""
+    return tl.load(
+        W + hid[None, :] * C + cols[:, None],
+        mask=col_ok[:, None] & h_ok[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H):
+    """``[BLOCK_C, BLOCK_H]`` tile ``W_OUT[cols, hid]`` of the ``[C, H]`` output
+    weight (zeros outside)."""
+    return tl.load(
+        W_OUT + cols[:, None] * H + hid[None, :],
+        mask=col_ok[:, None] & h_ok[None, :],
+        other=0.0,
+    )
+
+
+def fwd_configs() -> list[triton.Config]:
+    """Autotuning space of the forward kernel (one small config under the
+    interpreter, where timing means nothing)."""
+    if interpreter_enabled():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_H": 32}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w, num_stages=s)
+        for bm, bh, w, s in (
+            (128, 64, 8, 3),
+            (128, 32, 8, 4),
+            (128, 128, 8, 2),
+            (64, 64, 4, 3),
+            (64, 128, 4, 3),
+        )
+    ]
+
+
+@triton.autotune(configs=fwd_configs(), key=["C", "H", "NORMALIZE", "HAS_MASK"])
+@triton.jit
+def _swiglu_transition_fwd_kernel(
+    X,  # [M, C] input, row stride stride_x
+    LN_W,  # [C] LayerNorm scale (unused unless NORMALIZE)
+    LN_B,  # [C] LayerNorm offset
+    W_A,  # [H, C] compute dtype
+    W_B,  # [H, C]
+    W_OUT,  # [C, H]
+    MASK,  # [M] row multiplier (unused unless HAS_MASK)
+    Y,  # [M, C] output, row stride stride_y
+    MEAN,  # [M] fp32, written when NORMALIZE
+    RSTD,  # [M] fp32, written when NORMALIZE
+    M,
+    C,
+    H,
+    stride_x,
+    stride_y,
+    eps,
+    NORMALIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    WIDEN_BF16: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok = rows < M
+    col_ok = cols < C
+    rows64 = rows.to(tl.int64)
+    io_mask = row_ok[:, None] & col_ok[None, :]
+
+    x = tl.load(
+        X + rows64[:, None] * stride_x + cols[None, :], mask=io_mask, other=0.0
+    ).to(tl.float32)
+    if NORMALIZE:
+        mean = tl.sum(x, axis=1) / C
+        xc = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / C + eps)
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        ln_w = tl.load(LN_W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = xc * rstd[:, None] * ln_w[None, :] + ln_b[None, :]
+    # OF3 rounds the LayerNorm output to the compute dtype before the matmuls.
+    xn = x.to(W_A.dtype.element_ty)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for k in range(0, H, BLOCK_H):
+        hid = k + tl.arange(0, BLOCK_H)
+        h_ok = hid < H
+        w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
+        w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, WIDEN_BF16)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, WIDEN_BF16)
+        h = (a * _sigmoid(a, FAST_SIGMOID) * b).to(xn.dtype)
+        w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
+        acc = _mm(h, tl.trans(w_out), acc, INPUT_PRECISION, WIDEN_BF16)
+
+    if HAS_MASK:
+        row_mask = tl.load(MASK + rows, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * row_mask[:, None]
+    tl.store(
+        Y + rows64[:, None] * stride_y + cols[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=io_mask,
+    )

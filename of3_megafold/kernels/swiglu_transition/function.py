@@ -1,0 +1,399 @@
+"""Launchers, autograd function and functional API of the fused SwiGLU transition.
+
+``swiglu_transition(x, ...)`` computes OF3's ``SwiGLUTransition._transition``
+(``y = (silu(LN(x) w_a^T) * (LN(x) w_b^T)) w_out^T * mask``) in three Triton kernels
+(one forward, two backward; see ``_fwd.py`` and ``_bwd.py`` for the schedules).
+The forward pass keeps only ``x`` and the fp32 per-row LayerNorm mean and rstd;
+nothing ``n*c`` wide is ever written to global memory.
+
+``swiglu_mlp(x, ...)`` is the same core without the LayerNorm, for OF3's
+``ConditionedTransitionBlock``: its AdaLN and its sigmoid output gate stay in torch
+around the fused SwiGLU + ``linear_out`` (both are ``c``-wide and cheap; the
+``n*c``-wide part is what the kernel keeps out of memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+
+from of3_megafold.kernels.backend import interpreter_enabled
+from of3_megafold.kernels.swiglu_transition._bwd import (
+    MIN_BWD_INPUT_BLOCK_M,
+    _swiglu_transition_bwd_input_kernel,
+    _swiglu_transition_bwd_weight_kernel,
+    bwd_weight_configs,
+)
+from of3_megafold.kernels.swiglu_transition._fwd import _swiglu_transition_fwd_kernel
+from of3_megafold.kernels.swiglu_transition.reference import (
+    swiglu_transition_reference,
+)
+
+logger = logging.getLogger(__name__)
+
+# Widest channel count the fused schedule takes: a program holds a [BLOCK_M, c] fp32
+# accumulator plus the [BLOCK_M, c] normalised rows in registers. Wider transitions
+# (OF3's single transition, c=384, and the diffusion transformer's, c=768) run on
+# few rows (tokens), where cuBLAS's output-tiled GEMMs spread better over the GPU
+# than a row-block schedule, so they take the torch path.
+MAX_FUSED_CHANNELS = 128
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _block_c(c: int) -> int:
+    # tl.dot needs every dimension >= 16.
+    return max(16, triton.next_power_of_2(c))
+
+
+@functools.cache
+def _num_sms(device_index: int | None) -> int:
+    if interpreter_enabled() or not torch.cuda.is_available():
+        return 4  # > 1, so CPU tests exercise the split reduction
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _kernel_flags(compute_dtype: torch.dtype) -> dict:
+    """Precision flags shared by the three kernels."""
+    interpret = interpreter_enabled()
+    if compute_dtype == torch.float32:
+        # TF32 drifts diffusion roll-outs (~1 A): only when the user allowed it.
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        precision = "ieee" if interpret else None
+    return {
+        "INPUT_PRECISION": precision,
+        "FAST_SIGMOID": compute_dtype != torch.float32 and not interpret,
+        "WIDEN_BF16": compute_dtype == torch.bfloat16 and interpret,
+    }
+
+
+def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> int:
+    """Row splits of the weight-gradient kernel: (hidden chunks x splits) fills the
+    GPU with exactly one wave of equal programs."""
+    return max(1, min(num_sms // triton.cdiv(h, block_h), triton.cdiv(m, block_m)))
+
+
+def swiglu_transition_fwd(
+    x: torch.Tensor,
+    ln_weight: torch.Tensor | None,
+    ln_bias: torch.Tensor | None,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    w_out: torch.Tensor,
+    mask: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the forward kernel.
+
+    Args:
+        x: ``[M, c]``, unit column stride, any float dtype.
+        ln_weight, ln_bias: ``[c]`` or both ``None`` (no LayerNorm).
+        w_a, w_b: ``[H, c]`` contiguous, in the compute dtype; w_out ``[c, H]``.
+        mask: ``[M]`` contiguous or ``None``.
+
+    Returns:
+        ``(y [M, c] in the compute dtype, mean [M] fp32, rstd [M] fp32)``; mean and
+        rstd are ``None`` without LayerNorm.
+    """
+    m, c = x.shape
+    h = w_a.shape[0]
+    normalize = ln_weight is not None
+    y = torch.empty((m, c), device=x.device, dtype=w_a.dtype)
+    mean = rstd = None
+    if normalize:
+        mean = torch.empty(m, device=x.device, dtype=torch.float32)
+        rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m == 0:
+        return y, mean, rstd
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]),)
+
+    _swiglu_transition_fwd_kernel[grid](
+        x, ln_weight if normalize else x, ln_bias if normalize else x,
+        w_a, w_b, w_out,
+        mask if mask is not None else x, y,
+        mean if normalize else y, rstd if normalize else y,
+        m, c, h, x.stride(0), y.stride(0), eps,
+        NORMALIZE=normalize, HAS_MASK=mask is not None,
+        BLOCK_C=_block_c(c), **_kernel_flags(w_a.dtype),
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def swiglu_transition_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    ln_weight: torch.Tensor | None,
+    ln_bias: torch.Tensor | None,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    w_out: torch.Tensor,
+    mask: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    need_dx: bool = True,
+    need_dln: bool = True,
+    need_dw_ab: bool = True,
+    need_dw_out: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
+    """Launch the backward kernels for the gradients asked for.
+
+    Arguments as in :func:`swiglu_transition_fwd`, plus ``dy [M, c]`` (unit column
+    stride) and the forward's ``mean``/``rstd``.
+
+    Returns:
+        ``(dx [M, c] in x.dtype, dln_weight [c], dln_bias [c], dw_a [H, c],
+        dw_b [H, c], dw_out [c, H])``, the parameter gradients in fp32; an entry is
+        ``None`` when it was not asked for (``need_dln`` covers both LayerNorm
+        parameters, ``need_dw_ab`` both SwiGLU projections).
+    """
+    m, c = x.shape
+    h = w_a.shape[0]
+    normalize = ln_weight is not None
+    need_dln = need_dln and normalize
+    dev = x.device
+    flags = _kernel_flags(w_a.dtype)
+    common = dict(
+        NORMALIZE=normalize, HAS_MASK=mask is not None, BLOCK_C=_block_c(c), **flags
+    )
+    ln_w = ln_weight if normalize else x
+    ln_b = ln_bias if normalize else x
+    mean_ = mean if normalize else x
+    rstd_ = rstd if normalize else x
+    mask_ = mask if mask is not None else x
+    dx = dln_w = dln_b = dw_a = dw_b = dw_out = None
+
+    if (need_dx or need_dln) and m > 0:
+        dx = torch.empty_like(x) if need_dx else None
+        parts = triton.cdiv(m, MIN_BWD_INPUT_BLOCK_M) if need_dln else 1
+        dln_w_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
+        dln_b_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
+
+        def grid_input(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]),)
+
+        _swiglu_transition_bwd_input_kernel[grid_input](
+            x, ln_w, ln_b, w_a, w_b, w_out, mask_, dy, mean_, rstd_,
+            dx if need_dx else x, dln_w_part, dln_b_part,
+            m, c, h, x.stride(0), dy.stride(0), dx.stride(0) if need_dx else 0,
+            STORE_DX=need_dx, LN_GRAD=need_dln, **common,
+        )  # fmt: skip
+        if need_dln:
+            dln_w = dln_w_part.sum(0)
+            dln_b = dln_b_part.sum(0)
+    elif need_dx:
+        dx = torch.zeros_like(x)
+
+    if need_dw_ab or need_dw_out:
+        num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
+        splits = max(
+            _weight_splits(
+                m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms
+            )
+            for cfg in bwd_weight_configs()
+        )
+        shape_hc = (splits, h, c) if need_dw_ab else (1, 1, 1)
+        dw_a_part = torch.zeros(shape_hc, device=dev, dtype=torch.float32)
+        dw_b_part = torch.zeros(shape_hc, device=dev, dtype=torch.float32)
+        shape_ch = (splits, c, h) if need_dw_out else (1, 1, 1)
+        dw_out_part = torch.zeros(shape_ch, device=dev, dtype=torch.float32)
+
+        def grid_weight(meta):
+            return (
+                triton.cdiv(h, meta["BLOCK_H"]),
+                _weight_splits(m, h, meta["BLOCK_M"], meta["BLOCK_H"], num_sms),
+            )
+
+        if m > 0:
+            _swiglu_transition_bwd_weight_kernel[grid_weight](
+                x, ln_w, ln_b, w_a, w_b, w_out, mask_, dy, mean_, rstd_,
+                dw_a_part, dw_b_part, dw_out_part,
+                m, c, h, x.stride(0), dy.stride(0),
+                NEED_DW_AB=need_dw_ab, NEED_DW_OUT=need_dw_out, **common,
+            )  # fmt: skip
+        if need_dw_ab:
+            dw_a = dw_a_part.sum(0)
+            dw_b = dw_b_part.sum(0)
+        if need_dw_out:
+            dw_out = dw_out_part.sum(0)
+    return dx, dln_w, dln_b, dw_a, dw_b, dw_out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[*, c]`` as ``[M, c]`` with unit column stride (a view when possible)."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+class SwiGLUTransitionFunction(torch.autograd.Function):
+    """Autograd function of the fused SwiGLU transition.
+
+    ``apply(x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, compute_dtype)``;
+    ``ln_weight = ln_bias = None`` skips the LayerNorm. Saves ``x``, the weights in
+    the compute dtype and the fp32 LayerNorm statistics; recomputes the rest.
+    Parameter gradients come back in the parameters' dtypes (fp32 accumulation).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        ln_weight: torch.Tensor | None,
+        ln_bias: torch.Tensor | None,
+        w_a: torch.Tensor,
+        w_b: torch.Tensor,
+        w_out: torch.Tensor,
+        mask: torch.Tensor | None,
+        eps: float,
+        compute_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        x2d = _rows(x)
+        weights = [w.to(compute_dtype).contiguous() for w in (w_a, w_b, w_out)]
+        mask1d = None
+        if mask is not None:
+            if mask.dim() == x.dim() and mask.shape[-1] == 1:
+                mask = mask[..., 0]  # OF3's _transition takes the mask as [*, 1]
+            mask1d = mask.expand(x.shape[:-1]).reshape(-1)
+            if not mask1d.is_floating_point():
+                mask1d = mask1d.float()
+            mask1d = mask1d.contiguous()
+        y, mean, rstd = swiglu_transition_fwd(
+            x2d, ln_weight, ln_bias, *weights, mask1d, eps
+        )
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, *weights, mask1d, mean, rstd)
+        ctx.x_shape = x.shape
+        ctx.param_dtypes = tuple(
+            p.dtype if p is not None else None
+            for p in (ln_weight, ln_bias, w_a, w_b, w_out)
+        )
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd = (
+            ctx.saved_tensors
+        )
+        need = ctx.needs_input_grad
+        dx, dln_w, dln_b, dw_a, dw_b, dw_out = swiglu_transition_bwd(
+            _rows(dy), x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd,
+            need_dx=need[0], need_dln=need[1] or need[2],
+            need_dw_ab=need[3] or need[4], need_dw_out=need[5],
+        )  # fmt: skip
+        grads = [dln_w, dln_b, dw_a, dw_b, dw_out]
+        for i, dtype in enumerate(ctx.param_dtypes):
+            if grads[i] is not None:
+                grads[i] = grads[i].to(dtype) if need[i + 1] else None
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        return (dx, *grads, None, None, None)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The matmul dtype OF3 would use: the autocast dtype inside autocast, else
+    ``x.dtype``."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _fused_ok(x: torch.Tensor, compute_dtype: torch.dtype) -> tuple[bool, str]:
+    if not (x.is_cuda or (interpreter_enabled() and x.device.type == "cpu")):
+        return False, f"tensor on {x.device} and the Triton interpreter is off"
+    if x.dtype not in _FUSED_DTYPES or compute_dtype not in _FUSED_DTYPES:
+        return False, f"dtype {x.dtype} / compute dtype {compute_dtype}"
+    if x.shape[-1] > MAX_FUSED_CHANNELS:
+        return False, f"c={x.shape[-1]} > {MAX_FUSED_CHANNELS}"
+    return True, ""
+
+
+def _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out) -> None:
+    c = x.shape[-1]
+    h = w_a.shape[0]
+    if (ln_weight is None) != (ln_bias is None):
+        raise ValueError("pass both LayerNorm parameters or neither")
+    if ln_weight is not None and (ln_weight.shape != (c,) or ln_bias.shape != (c,)):
+        raise ValueError(f"LayerNorm parameters must be [{c}]")
+    if w_a.shape != (h, c) or w_b.shape != (h, c) or w_out.shape != (c, h):
+        raise ValueError(
+            f"weights must be w_a, w_b [H, {c}] and w_out [{c}, H]; got "
+            f"{tuple(w_a.shape)}, {tuple(w_b.shape)}, {tuple(w_out.shape)}"
+        )
+
+
+def swiglu_transition(
+    x: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    w_out: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """OF3's SwiGLU transition, fused: ``(silu(LN(x) w_a^T) * (LN(x) w_b^T)) w_out^T``
+    times ``mask``.
+
+    Args:
+        x: ``[*, c]``, fp32 / bf16 / fp16.
+        ln_weight, ln_bias: ``[c]``, OF3's ``layer_norm.weight`` / ``.bias``.
+        w_a, w_b: ``[n*c, c]``, OF3's ``swiglu.linear_a.weight`` /
+            ``swiglu.linear_b.weight`` (``nn.Linear`` layout, no bias).
+        w_out: ``[c, n*c]``, OF3's ``linear_out.weight``.
+        mask: ``[*]`` (= ``x.shape[:-1]``, broadcastable, or with a trailing 1), or
+            ``None``. No gradient flows to it.
+        eps: LayerNorm epsilon.
+
+    Returns:
+        ``[*, c]`` in the compute dtype: ``x.dtype``, or the autocast dtype inside
+        ``torch.autocast`` (OF3's ``Linear`` runs in the autocast dtype there too).
+        LayerNorm statistics and all matmul accumulation are fp32; as in OF3 the
+        normalised rows and ``silu(a) * b`` are rounded to the compute dtype before
+        their matmuls. fp32 matmuls use IEEE fp32 unless
+        ``torch.backends.cuda.matmul.allow_tf32`` is set.
+
+    Falls back to :func:`swiglu_transition_reference` (OF3's eager math, same
+    numerics) for ``c > 128``, other dtypes, or a CPU tensor without the Triton
+    interpreter.
+    """
+    _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out)
+    compute_dtype = _compute_dtype(x)
+    ok, why = _fused_ok(x, compute_dtype)
+    if not ok:
+        logger.debug("swiglu_transition: torch path (%s)", why)
+        return swiglu_transition_reference(
+            x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps
+        )
+    return SwiGLUTransitionFunction.apply(
+        x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, compute_dtype
+    )
+
+
+def swiglu_mlp(
+    x: torch.Tensor,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    w_out: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(silu(x w_a^T) * (x w_b^T)) w_out^T`` times ``mask``: the SwiGLU transition
+    without its LayerNorm, for inputs normalised elsewhere (the AdaLN output in OF3's
+    ``ConditionedTransitionBlock``, whose ``swiglu.linear_a/b`` and ``linear_out``
+    weights go here unchanged). Shapes, dtypes and fallbacks as in
+    :func:`swiglu_transition`.
+    """
+    _check_shapes(x, None, None, w_a, w_b, w_out)
+    compute_dtype = _compute_dtype(x)
+    ok, why = _fused_ok(x, compute_dtype)
+    if not ok:
+        logger.debug("swiglu_mlp: torch path (%s)", why)
+        return swiglu_transition_reference(
+            x, None, None, w_a, w_b, w_out, mask, normalize=False
+        )
+    return SwiGLUTransitionFunction.apply(
+        x, None, None, w_a, w_b, w_out, mask, 0.0, compute_dtype
+    )
