@@ -63,6 +63,7 @@ def _smooth_lddt_fused_kernel(
     ti1 = tl.load(t_base + N + rows, mask=row_ok, other=0.0)
     ti2 = tl.load(t_base + 2 * N + rows, mask=row_ok, other=0.0)
     ri = tl.load(r_ptr + b * N + rows, mask=row_ok, other=0.0)
+    ri2 = ri * ri
 
     acc_a = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_c = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -97,13 +98,14 @@ def _smooth_lddt_fused_kernel(
         dp = dp2 * inv_dp
 
         off_diag = rows[:, None] != cols[None, :]
-        # A radius of 0 marks a masked atom: dg < 0 never holds.
-        inc_ij = (dg < ri[:, None]) & (rj[None, :] > 0.0) & off_diag
+        # Inclusion compares squared distances (D < r  <=>  D^2 < r^2, up to the last
+        # fp32 bit), as the ball query does. A radius of 0 marks a masked atom.
+        inc_ij = (dg2 < ri2[:, None]) & (rj[None, :] > 0.0) & off_diag
         score, dscore = lddt_pair_score(dg, dp, COMPUTE_GRAD)
         acc_a += tl.sum(tl.where(inc_ij, score, 0.0), axis=1)
         acc_c += tl.sum(inc_ij.to(tl.int32), axis=1)
         if COMPUTE_GRAD:
-            inc_ji = (dg < rj[None, :]) & (ri[:, None] > 0.0) & off_diag
+            inc_ji = (dg2 < (rj * rj)[None, :]) & (ri[:, None] > 0.0) & off_diag
             n_inc = inc_ij.to(tl.float32) + inc_ji.to(tl.float32)
             h = tl.where(n_inc > 0.0, n_inc * dscore * inv_dp, 0.0)
             g0 += tl.sum(h * v0, axis=1)

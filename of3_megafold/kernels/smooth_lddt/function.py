@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from ._ball_query import (
+    SEARCH_BLOCK_COLS,
+    SEARCH_BLOCK_ROWS,
+    ball_query_search,
+    draw_seed,
+)
 from ._fused import smooth_lddt_fused_fwd
+from ._sparse_score import neighbor_score_bwd, neighbor_score_fwd, reverse_neighbors
 from ._spatial import make_plan
 from .reference import normalize_inputs
 
@@ -103,4 +110,105 @@ def smooth_lddt_fused(
     """
     return SmoothLDDTFusedFunction.apply(
         x, truth, is_nucleotide, atom_mask, eps, split, num_warps
+    )
+
+
+class SmoothLDDTBallQueryFunction(torch.autograd.Function):
+    """Sampled smooth lDDT on ball-query neighbour lists (see ``_sparse_score.py``)."""
+
+    @staticmethod
+    def forward(
+        ctx, x, truth, is_nucleotide, atom_mask, max_neighbors, seed, eps,
+        deterministic, neighbors,
+    ):
+        truth, nuc, valid = normalize_inputs(x, truth, is_nucleotide, atom_mask)
+        b, s, n, _ = x.shape
+        if neighbors is None:
+            plan = make_plan(
+                truth, nuc, valid, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False
+            )
+            nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
+        else:
+            nbr, counts = neighbors
+            if nbr.dim() != 3 or tuple(nbr.shape[:2]) != (b, n):
+                raise ValueError(f"neighbors must be [B, N, K], got {tuple(nbr.shape)}")
+            if tuple(counts.shape) != (b, n):
+                raise ValueError(f"counts must be [B, N], got {tuple(counts.shape)}")
+            nbr = nbr.to(torch.int32).contiguous()
+            counts = counts.to(torch.int32).contiguous()
+        x32 = x.float().contiguous()
+        t32 = truth.float().contiguous()
+        a_sum = neighbor_score_fwd(x32, t32, nbr, counts, eps)
+        c_sum = counts.sum(dim=1, dtype=torch.int64)[:, None].expand(b, s)
+        loss, dloss_da = _loss_from_sums(a_sum, c_sum, valid.sum(dim=1), eps)
+        if ctx.needs_input_grad[0]:
+            saved = [x, t32, nbr, counts, dloss_da]
+            if deterministic:
+                saved += list(reverse_neighbors(nbr))
+            ctx.save_for_backward(*saved)
+            ctx.eps = eps
+        return loss.float()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, t32, nbr, counts, dloss_da, *reverse = ctx.saved_tensors
+        scale = dloss_da * grad_loss.double()
+        grad = neighbor_score_bwd(
+            x.float().contiguous(), t32, nbr, counts, scale, ctx.eps,
+            reverse=tuple(reverse) if reverse else None,
+        )
+        return grad.to(x.dtype), None, None, None, None, None, None, None, None
+
+
+def smooth_lddt_ball_query(
+    x: torch.Tensor,
+    truth: torch.Tensor,
+    is_nucleotide: torch.Tensor,
+    atom_mask: torch.Tensor,
+    max_neighbors: int = 256,
+    seed: int | None = None,
+    eps: float = 1e-8,
+    deterministic: bool = False,
+    neighbors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Smooth lDDT loss estimated on at most ``max_neighbors`` neighbours per atom.
+
+    The neighbour search (``ball_query``) runs once per batch element on the ground
+    truth; it lists every pair that smooth lDDT includes (``c_ij m_ij = 1``) and, for
+    atoms with more than ``K = max_neighbors`` of them, a uniform random K-subset. Each
+    listed score is weighted by ``n_i / min(n_i, K)`` (``n_i`` in-radius neighbours).
+
+    Exact parts: ``sum m`` (from the mask count) and ``sum c m`` (from ``n_i``).
+    Sampled part: ``sum c e m``, estimated without bias. The loss is affine in it, so
+    the returned loss and its gradient are unbiased estimates of OF3's, and equal to
+    them (up to fp32 rounding) when every ``n_i <= K``. The variance falls as K grows;
+    a fresh seed per step averages it out over training.
+
+    Args:
+        x: ``[B, S, N, 3]`` predicted positions (float32/bfloat16/float16; computed in
+            float32). Gradients flow to ``x`` only.
+        truth: ``[B, 1, N, 3]`` or ``[B, N, 3]`` ground truth.
+        is_nucleotide: ``[B, N]`` or ``[B, 1, N]``.
+        atom_mask: ``[B, N]`` or ``[B, 1, N]``.
+        max_neighbors: ``K``; memory is ``B * N * K`` int32 for the lists.
+        seed: seed of the neighbour sample; ``None`` draws one from torch's default
+            generator.
+        eps: OF3's eps.
+        deterministic: avoid floating-point atomics in the backward. Builds the
+            reverse lists in the forward (a stable sort of ``B * N * K`` keys, plus
+            ``B * N * K`` int32 kept for the backward) and recomputes each pair a
+            second time for its column term; the backward then is bitwise
+            reproducible. The forward and the neighbour search are deterministic in
+            both modes.
+        neighbors: precomputed ``(neighbors, counts)`` from ``ball_query`` (e.g. to
+            reuse one search over chunks of samples); skips the search.
+
+    Returns:
+        ``[B, S]`` float32.
+    """
+    if neighbors is None:
+        seed = draw_seed() if seed is None else int(seed) % (2**31)
+    return SmoothLDDTBallQueryFunction.apply(
+        x, truth, is_nucleotide, atom_mask, max_neighbors, seed, eps, deterministic,
+        neighbors,
     )

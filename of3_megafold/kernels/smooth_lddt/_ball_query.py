@@ -1,0 +1,192 @@
+"""Ball query on the ground truth: up to K in-radius neighbours per atom, sampled.
+
+For every atom i in the loss mask, the neighbours are the atoms j != i in the mask with
+``sqrt(eps + |t_i - t_j|^2) < r_i``, where ``r_i`` is 30 A for nucleotide atoms and 15 A
+otherwise: exactly the pairs with ``c_ij m_ij = 1`` in smooth lDDT. When more than K
+qualify, a uniform random K-subset is kept by reservoir sampling (Vitter's
+Algorithm R) made parallel:
+
+* candidates of row i get ranks ``t = 0, 1, ...`` in scan order (a prefix sum per tile);
+* candidate ``t < K`` goes to slot ``t``; candidate ``t >= K`` draws ``r`` uniform in
+  ``[0, t]`` from a counter-based hash of ``(seed, batch, i, t)`` and, if ``r < K``,
+  claims slot ``r``;
+* Algorithm R keeps in each slot the *last* candidate that claimed it, so each slot
+  takes the maximum of ``(t << 32) | j`` over its claimants (``atomic_max``: the result
+  does not depend on the order in which the claims land, so it is deterministic).
+
+The result is the sample Algorithm R draws for that scan order and random stream: every
+K-subset equally likely, given a perfect hash. The hash is Chris Wellons' ``lowbias32``
+integer finaliser (public domain, hash-prospector), applied twice; ``r`` comes from a
+32x32->64-bit multiply-high, biased by at most ``(t + 1) / 2^32``.
+
+The scan visits only block pairs that can hold a neighbour (Morton sort and bounding
+boxes, ``_spatial.py``). One search serves every sample: the ground truth is shared
+over the sample dimension. Outputs are integer tensors and carry no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._spatial import SpatialPlan, make_plan
+from .reference import normalize_inputs
+
+SEARCH_BLOCK_ROWS = 64
+SEARCH_BLOCK_COLS = 32
+
+
+@triton.jit
+def _lowbias32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _ball_query_kernel(
+    t_ptr,  # [B, 3, N] fp32, sorted order
+    r_ptr,  # [B, N] fp32 inclusion radius of the row atom, 0 = masked out
+    perm_ptr,  # [B, N] int32, sorted position -> original index
+    tiles_ptr,  # [B, NRB, NCB] int32
+    n_tiles_ptr,  # [B, NRB] int32
+    slot_ptr,  # [B, N, K] int64, original row order, initialised to -1
+    count_ptr,  # [B, N] int32, original order
+    N,
+    NRB,
+    NCB,
+    K,
+    seed,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    t_base = t_ptr + b.to(tl.int64) * 3 * N
+    ti0 = tl.load(t_base + rows, mask=row_ok, other=0.0)
+    ti1 = tl.load(t_base + N + rows, mask=row_ok, other=0.0)
+    ti2 = tl.load(t_base + 2 * N + rows, mask=row_ok, other=0.0)
+    ri = tl.load(r_ptr + b * N + rows, mask=row_ok, other=0.0)
+    ri2 = ri * ri
+    orig_i = tl.load(perm_ptr + b * N + rows, mask=row_ok, other=0)
+
+    stream = _lowbias32(seed.to(tl.uint32) ^ (b.to(tl.uint32) * 0x9E3779B9))
+    row_key = _lowbias32(stream + orig_i.to(tl.uint32))
+    slot_row = slot_ptr + (b * N + orig_i).to(tl.int64) * K
+    count = tl.zeros([BLOCK_M], dtype=tl.int32)
+
+    n_tiles = tl.load(n_tiles_ptr + b * NRB + rb)
+    tile_row = tiles_ptr + (b * NRB + rb).to(tl.int64) * NCB
+    for q in range(0, n_tiles):
+        cb = tl.load(tile_row + q)
+        cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        tj0 = tl.load(t_base + cols, mask=col_ok, other=0.0)
+        tj1 = tl.load(t_base + N + cols, mask=col_ok, other=0.0)
+        tj2 = tl.load(t_base + 2 * N + cols, mask=col_ok, other=0.0)
+        rj = tl.load(r_ptr + b * N + cols, mask=col_ok, other=0.0)
+        orig_j = tl.load(perm_ptr + b * N + cols, mask=col_ok, other=0)
+
+        u0 = ti0[:, None] - tj0[None, :]
+        u1 = ti1[:, None] - tj1[None, :]
+        u2 = ti2[:, None] - tj2[None, :]
+        dg2 = u0 * u0 + u1 * u1 + u2 * u2 + eps
+        hit = (dg2 < ri2[:, None]) & (rj[None, :] > 0.0) & (rows[:, None] != cols[None, :])
+        hit_i = hit.to(tl.int32)
+        rank = count[:, None] + tl.cumsum(hit_i, axis=1) - hit_i
+        count += tl.sum(hit_i, axis=1)
+
+        draw = _lowbias32(row_key[:, None] ^ (rank.to(tl.uint32) * 0x85EBCA6B))
+        pick = tl.umulhi(draw, (rank + 1).to(tl.uint32)).to(tl.int32)
+        slot = tl.where(rank < K, rank, pick)
+        claim = hit & (slot < K)
+        packed = (rank.to(tl.int64) << 32) | orig_j[None, :].to(tl.int64)
+        tl.atomic_max(slot_row[:, None] + slot, packed, mask=claim, sem="relaxed")
+
+    tl.store(count_ptr + b * N + orig_i, count, mask=row_ok)
+
+
+def ball_query_search(
+    plan: SpatialPlan, max_neighbors: int, seed: int, eps: float, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the search on a plan built with ``symmetric=False``; see ``ball_query``."""
+    b, _, n = plan.truth.shape
+    nrb, ncb = plan.tiles.shape[1], plan.tiles.shape[2]
+    dev = plan.truth.device
+    slots = torch.full((b, n, max_neighbors), -1, device=dev, dtype=torch.int64)
+    counts = torch.empty((b, n), device=dev, dtype=torch.int32)
+    _ball_query_kernel[(nrb, b)](
+        plan.truth,
+        plan.radius,
+        plan.perm.to(torch.int32),
+        plan.tiles,
+        plan.n_tiles,
+        slots,
+        counts,
+        n,
+        nrb,
+        ncb,
+        max_neighbors,
+        seed,
+        eps,
+        BLOCK_M=plan.block_rows,
+        BLOCK_N=plan.block_cols,
+        num_warps=num_warps,
+    )
+    # The low 32-bit word of each slot is the neighbour index, and -1 (empty) stays
+    # -1: view the int64 slots as int32 pairs (little-endian) and keep the low words.
+    neighbors = slots.view(torch.int32)[..., 0::2].contiguous()
+    return neighbors, counts
+
+
+def draw_seed() -> int:
+    """A seed from torch's default CPU generator (follows ``torch.manual_seed``)."""
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+def ball_query(
+    truth: torch.Tensor,
+    is_nucleotide: torch.Tensor,
+    atom_mask: torch.Tensor,
+    max_neighbors: int = 256,
+    seed: int | None = None,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-radius neighbours of every atom in the ground truth, at most ``K`` each.
+
+    Args:
+        truth: ``[B, N, 3]`` or ``[B, 1, N, 3]`` ground-truth positions.
+        is_nucleotide: ``[B, N]`` or ``[B, 1, N]``; nucleotide rows use a 30 A radius,
+            others 15 A.
+        atom_mask: ``[B, N]`` or ``[B, 1, N]``; masked atoms have no neighbours and are
+            nobody's neighbour.
+        max_neighbors: ``K``.
+        seed: seeds the sample when an atom has more than ``K`` neighbours; ``None``
+            draws one from torch's default generator. Same inputs and seed, same
+            output, on any run.
+        eps: OF3's eps inside the distance square root.
+
+    Returns:
+        ``neighbors [B, N, K]`` int32 original atom indices, ``-1`` in unused slots
+        (used slots come first), and ``counts [B, N]`` int32, the number of in-radius
+        neighbours before sampling (exact). Not differentiable.
+    """
+    if truth.dim() == 3:
+        truth = truth[:, None]
+    b, _, n, _ = truth.shape
+    dummy = truth.new_empty((b, 1, n, 3))
+    truth, nuc, valid = normalize_inputs(dummy, truth, is_nucleotide, atom_mask)
+    if max_neighbors < 1:
+        raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
+    if n >= 2**31 // max(max_neighbors, 1):
+        raise ValueError("N * max_neighbors must stay below 2**31")
+    plan = make_plan(truth, nuc, valid, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
+    seed = draw_seed() if seed is None else int(seed) % (2**31)
+    return ball_query_search(plan, max_neighbors, seed, eps)
