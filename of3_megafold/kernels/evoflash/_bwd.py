@@ -1,0 +1,421 @@
+"""EvoFlash backward kernels.
+
+With ``dS = P * (dP - delta)``, ``dP = dO V^T``, ``delta = rowsum(dO * O)``:
+``dV = P^T dO``, ``dK = scale dS^T Q``, ``dQ = scale dS K``, ``d pair_bias = sum_S dS``.
+Each of the three reductions runs over a different axis (queries, keys, S), so each
+gets its own kernel whose programs own their output tile and accumulate it in
+registers: no atomics, a fixed summation order, bit-reproducible gradients.
+
+* ``_evoflash_bwd_dkdv_kernel``: program per (b, h, S group, key block), loops over
+  query blocks (flash-attention 2's dK/dV kernel; Dao, 2023).
+* ``_evoflash_bwd_dq_kernel``: program per (b, h, S group, query block), loops over
+  key blocks. Where the bias gradient needs no S reduction (S == 1, or a bias with
+  its own S axis) it also stores ``dS`` as the bias gradient.
+* ``_evoflash_bwd_dbias_kernel``: program per (S chunk, b, h, query block, key block),
+  loops over S and sums ``dS`` in registers; S is split into a few chunks, summed
+  afterwards in a fixed order, when there are too few tiles to fill the GPU. With
+  ``FUSE_DQ`` it also adds ``scale dS K`` to an fp32 dQ with atomics, which saves
+  the dQ kernel's pass over the exponentials at the price of determinism.
+
+Every kernel recomputes ``P = exp2(s2 - lse) * r`` (see ``_fwd``); ``r`` is folded
+into ``dO`` (dK/dV kernel) or into ``dP`` with one FMA (the others), never applied
+to the ``[BLOCK, BLOCK]`` tile.
+"""
+
+import triton
+import triton.language as tl
+
+from ._tiles import (
+    _dot,
+    _load_bias_log2,
+    _load_key_mask,
+    _load_rowstat,
+    _load_tile,
+    _row_ptr,
+    _stat_ptr,
+)
+
+
+@triton.jit
+def _evoflash_bwd_preprocess_kernel(
+    O, DO, RSCALE, DELTA,
+    stride_ob, stride_os, stride_on, stride_oh,
+    stride_dob, stride_dos, stride_don, stride_doh,
+    S, N, H, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``delta = r * rowsum(dO * O)`` per query row."""
+    pid_m = tl.program_id(0)
+    pid_bsh = tl.program_id(1)
+    h = pid_bsh % H
+    s = (pid_bsh // H) % S
+    b = pid_bsh // (H * S)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(_row_ptr(O, b, s, h, stride_ob, stride_os, stride_oh), offs_m,
+                   offs_d, stride_on, N, D, False, True, False, True)
+    do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh), offs_m,
+                    offs_d, stride_don, N, D, False, True, False, True)
+    r_row = _stat_ptr(RSCALE, b, s, h, S, H, N)
+    r = tl.load(r_row + offs_m, mask=offs_m < N, other=0.0)
+    tl.store(_stat_ptr(DELTA, b, s, h, S, H, N) + offs_m, tl.sum(o * do, 1) * r,
+             mask=offs_m < N)
+
+
+@triton.jit
+def _dkdv_query_block(
+    dk, dv, k, v, key_mask, bias_t,
+    Q_row, DO_row, LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D,
+    stride_qn, stride_don, qk_scale_log2,
+    HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+    PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+):
+    """dK/dV of one key block and one S slice, from the query block ``offs_m``.
+    Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
+    dots without a layout change."""
+    q = _load_tile(Q_row, offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
+                   HIGH_PRECISION)
+    do = _load_tile(DO_row, offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
+                    HIGH_PRECISION)
+    # Rows past N: lse = +inf makes their P^T column exactly 0.
+    lse = _load_rowstat(LSE_row, offs_m, N, float("inf"), EVEN_N)
+    r = _load_rowstat(R_row, offs_m, N, 0.0, EVEN_N)
+    delta = _load_rowstat(DELTA_row, offs_m, N, 0.0, EVEN_N)
+    s2_t = _dot(k, tl.trans(q), None, HIGH_PRECISION) * qk_scale_log2
+    if HAS_BIAS:
+        s2_t += bias_t
+    if COL_MASK:
+        s2_t += key_mask[:, None]
+    p_t = tl.math.exp2(s2_t - lse[None, :])
+    do = (do.to(tl.float32) * r[:, None]).to(do.dtype)
+    dv = _dot(p_t.to(do.dtype), do, dv, HIGH_PRECISION)
+    dp_t = _dot(v, tl.trans(do), None, HIGH_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _dot(ds_t.to(q.dtype), q, dk, HIGH_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _evoflash_bwd_dkdv_kernel(
+    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DK, DV,
+    qk_scale_log2, sm_scale,
+    stride_qb, stride_qs, stride_qn, stride_qh,
+    stride_kb, stride_ks, stride_kn, stride_kh,
+    stride_vb, stride_vs, stride_vn, stride_vh,
+    stride_dob, stride_dos, stride_don, stride_doh,
+    stride_gb, stride_gs, stride_gn, stride_gh,
+    stride_mb, stride_ms, stride_mn,
+    stride_bb, stride_bs, stride_bh, stride_bi,
+    S, N, H, D,
+    N_BUCKET, S_BUCKET,  # autotuning key only
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
+    HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
+):
+    tl.static_assert(S_GROUP == 1 or S_GROUP == 2)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_sg = tl.cdiv(S, S_GROUP)
+    n_blk = pid % num_n
+    rest = pid // num_n
+    s0 = (rest % num_sg) * S_GROUP
+    rest = rest // num_sg
+    h = rest % H
+    b = rest // H
+
+    offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k0 = _load_tile(_row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh), offs_n,
+                    offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+    v0 = _load_tile(_row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh), offs_n,
+                    offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+    mask0 = _load_key_mask(MASK, b, s0, offs_n, N, stride_mb, stride_ms, stride_mn,
+                           HAS_MASK, EVEN_N)
+    Q0 = _row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh)
+    DO0 = _row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh)
+    dk0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if S_GROUP == 2:
+        s1 = tl.minimum(s0 + 1, S - 1)
+        k1 = _load_tile(_row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh),
+                        offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, False,
+                        HIGH_PRECISION)
+        v1 = _load_tile(_row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh),
+                        offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
+                        HIGH_PRECISION)
+        mask1 = _load_key_mask(MASK, b, s1, offs_n, N, stride_mb, stride_ms,
+                               stride_mn, HAS_MASK, EVEN_N)
+        Q1 = _row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh)
+        DO1 = _row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh)
+        dk1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    for start_m in range(0, N, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if HAS_BIAS:
+            bias_t = _load_bias_log2(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
+                                     stride_bs, stride_bh, stride_bi, EVEN_N, True)
+        else:
+            bias_t = 0.0
+        dk0, dv0 = _dkdv_query_block(
+            dk0, dv0, k0, v0, mask0, bias_t, Q0, DO0,
+            _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
+            _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
+            stride_don, qk_scale_log2, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+            HIGH_PRECISION)
+        if S_GROUP == 2:
+            if BIAS_PER_S:
+                bias_t = _load_bias_log2(BIAS, b, s1, h, offs_m, offs_n, N, stride_bb,
+                                         stride_bs, stride_bh, stride_bi, EVEN_N, True)
+            dk1, dv1 = _dkdv_query_block(
+                dk1, dv1, k1, v1, mask1, bias_t, Q1, DO1,
+                _stat_ptr(LSE, b, s1, h, S, H, N),
+                _stat_ptr(RSCALE, b, s1, h, S, H, N),
+                _stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
+                stride_don, qk_scale_log2, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+                HIGH_PRECISION)
+
+    g_ptrs = offs_n[:, None] * stride_gn + offs_d[None, :]
+    g_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
+    DK0 = _row_ptr(DK, b, s0, h, stride_gb, stride_gs, stride_gh)
+    DV0 = _row_ptr(DV, b, s0, h, stride_gb, stride_gs, stride_gh)
+    tl.store(DK0 + g_ptrs, (dk0 * sm_scale).to(DK.dtype.element_ty), mask=g_mask)
+    tl.store(DV0 + g_ptrs, dv0.to(DV.dtype.element_ty), mask=g_mask)
+    if S_GROUP == 2:
+        n1 = tl.where(s0 + 1 < S, N, 0)  # the slice past S is not stored
+        g_mask = (offs_n[:, None] < n1) & (offs_d[None, :] < D)
+        DK1 = _row_ptr(DK, b, s1, h, stride_gb, stride_gs, stride_gh)
+        DV1 = _row_ptr(DV, b, s1, h, stride_gb, stride_gs, stride_gh)
+        tl.store(DK1 + g_ptrs, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=g_mask)
+        tl.store(DV1 + g_ptrs, dv1.to(DV.dtype.element_ty), mask=g_mask)
+
+
+@triton.jit
+def _ds_block(
+    q, do, lse, r, delta, bias_log2, k_t, V_row, MASK, b, s, offs_n, offs_d, N, D,
+    stride_vn, stride_mb, stride_ms, stride_mn, qk_scale_log2,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+):
+    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice."""
+    v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
+                     HIGH_PRECISION)
+    s2 = _dot(q, k_t, None, HIGH_PRECISION) * qk_scale_log2
+    if HAS_BIAS:
+        s2 += bias_log2
+    if COL_MASK:
+        key_mask = _load_key_mask(MASK, b, s, offs_n, N, stride_mb, stride_ms,
+                                  stride_mn, HAS_MASK, EVEN_N)
+        s2 += key_mask[None, :]
+    p = tl.math.exp2(s2 - lse[:, None])
+    dp = _dot(do, v_t, None, HIGH_PRECISION)
+    return p * (dp * r[:, None] - delta[:, None])
+
+
+@triton.jit
+def _dq_key_block(
+    dq, q, do, lse, r, delta, bias_log2,
+    K_row, V_row, MASK, DB_row, b, s, offs_m, offs_n, offs_d, N, D,
+    stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, stride_dbi,
+    qk_scale_log2, n_rows,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+    COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
+):
+    k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
+                     HIGH_PRECISION)
+    ds = _ds_block(q, do, lse, r, delta, bias_log2, k_t, V_row, MASK, b, s, offs_n,
+                   offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
+                   qk_scale_log2, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+                   HIGH_PRECISION)
+    if STORE_DS:
+        db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
+        inside = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
+        tl.store(db_ptrs, ds.to(DB_row.dtype.element_ty), mask=inside)
+    if COMPUTE_DQ:
+        dq = _dot(ds.to(k_t.dtype), tl.trans(k_t), dq, HIGH_PRECISION)
+    return dq
+
+
+@triton.jit
+def _evoflash_bwd_dq_kernel(
+    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ, DBIAS,
+    qk_scale_log2, sm_scale,
+    stride_qb, stride_qs, stride_qn, stride_qh,
+    stride_kb, stride_ks, stride_kn, stride_kh,
+    stride_vb, stride_vs, stride_vn, stride_vh,
+    stride_dob, stride_dos, stride_don, stride_doh,
+    stride_gb, stride_gs, stride_gn, stride_gh,
+    stride_mb, stride_ms, stride_mn,
+    stride_bb, stride_bs, stride_bh, stride_bi,
+    stride_dbb, stride_dbs, stride_dbh, stride_dbi,
+    S, N, H, D,
+    N_BUCKET, S_BUCKET,  # autotuning key only
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
+    HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
+):
+    tl.static_assert(S_GROUP == 1 or S_GROUP == 2)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_sg = tl.cdiv(S, S_GROUP)
+    m_blk = pid % num_m
+    rest = pid // num_m
+    s0 = (rest % num_sg) * S_GROUP
+    rest = rest // num_sg
+    h = rest % H
+    b = rest // H
+
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
+                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+    do0 = _load_tile(_row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh),
+                     offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
+                     HIGH_PRECISION)
+    lse0 = _load_rowstat(_stat_ptr(LSE, b, s0, h, S, H, N), offs_m, N, float("inf"),
+                          EVEN_N)
+    r0 = _load_rowstat(_stat_ptr(RSCALE, b, s0, h, S, H, N), offs_m, N, 0.0, EVEN_N)
+    delta0 = _load_rowstat(_stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, N, 0.0,
+                           EVEN_N)
+    K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
+    V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
+    DB0 = _row_ptr(DBIAS, b, s0, h, stride_dbb, stride_dbs, stride_dbh)
+    dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if S_GROUP == 2:
+        s1 = tl.minimum(s0 + 1, S - 1)
+        q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
+                        offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
+                        HIGH_PRECISION)
+        do1 = _load_tile(_row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh),
+                         offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
+                         HIGH_PRECISION)
+        lse1 = _load_rowstat(_stat_ptr(LSE, b, s1, h, S, H, N), offs_m, N,
+                             float("inf"), EVEN_N)
+        r1 = _load_rowstat(_stat_ptr(RSCALE, b, s1, h, S, H, N), offs_m, N, 0.0,
+                           EVEN_N)
+        delta1 = _load_rowstat(_stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, N, 0.0,
+                               EVEN_N)
+        K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
+        V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
+        DB1 = _row_ptr(DBIAS, b, s1, h, stride_dbb, stride_dbs, stride_dbh)
+        dq1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for start_n in range(0, N, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias_log2 = _load_bias_log2(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
+                                        stride_bs, stride_bh, stride_bi, EVEN_N, False)
+        else:
+            bias_log2 = 0.0
+        dq0 = _dq_key_block(
+            dq0, q0, do0, lse0, r0, delta0, bias_log2, K0, V0, MASK, DB0, b, s0,
+            offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb, stride_ms,
+            stride_mn, stride_dbi, qk_scale_log2, N, HAS_MASK, HAS_BIAS,
+            COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION, COMPUTE_DQ, STORE_DS)
+        if S_GROUP == 2:
+            if BIAS_PER_S:
+                bias_log2 = _load_bias_log2(BIAS, b, s1, h, offs_m, offs_n, N,
+                                            stride_bb, stride_bs, stride_bh,
+                                            stride_bi, EVEN_N, False)
+            dq1 = _dq_key_block(
+                dq1, q1, do1, lse1, r1, delta1, bias_log2, K1, V1, MASK, DB1, b, s1,
+                offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb,
+                stride_ms, stride_mn, stride_dbi, qk_scale_log2,
+                tl.where(s0 + 1 < S, N, 0),
+                HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION,
+                COMPUTE_DQ, STORE_DS)
+
+    if COMPUTE_DQ:
+        g_ptrs = offs_m[:, None] * stride_gn + offs_d[None, :]
+        g_mask = (offs_m[:, None] < N) & (offs_d[None, :] < D)
+        DQ0 = _row_ptr(DQ, b, s0, h, stride_gb, stride_gs, stride_gh)
+        tl.store(DQ0 + g_ptrs, (dq0 * sm_scale).to(DQ.dtype.element_ty), mask=g_mask)
+        if S_GROUP == 2:
+            DQ1 = _row_ptr(DQ, b, s1, h, stride_gb, stride_gs, stride_gh)
+            n1 = tl.where(s0 + 1 < S, N, 0)  # the slice past S is not stored
+            tl.store(DQ1 + g_ptrs, (dq1 * sm_scale).to(DQ.dtype.element_ty),
+                     mask=(offs_m[:, None] < n1) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _evoflash_bwd_dbias_kernel(
+    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ_ACC, DBIAS_PART,
+    qk_scale_log2, sm_scale,
+    stride_qb, stride_qs, stride_qn, stride_qh,
+    stride_kb, stride_ks, stride_kn, stride_kh,
+    stride_vb, stride_vs, stride_vn, stride_vh,
+    stride_dob, stride_dos, stride_don, stride_doh,
+    stride_gb, stride_gs, stride_gn, stride_gh,
+    stride_mb, stride_ms, stride_mn,
+    stride_bb, stride_bh, stride_bi,
+    stride_dbp, stride_dbb, stride_dbh, stride_dbi,
+    B, S, N, H, D, S_CHUNK,
+    N_BUCKET, S_BUCKET,  # autotuning key only
+    HAS_MASK: tl.constexpr, HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
+):
+    # Program order: key block fastest, then query block, head, batch, S chunk, so
+    # the programs running together walk the same S slices and share their Q/K/V/dO
+    # rows in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    n_blk = pid % num_n
+    rest = pid // num_n
+    m_blk = rest % num_m
+    rest = rest // num_m
+    h = rest % H
+    rest = rest // H
+    b = rest % B
+    split = rest // B
+
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    zero = b * 0
+    bias_log2 = _load_bias_log2(BIAS, b, zero, h, offs_m, offs_n, N, stride_bb, 0,
+                                stride_bh, stride_bi, EVEN_N, False)
+    dbias = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s_lo = split * S_CHUNK
+    s_hi = tl.minimum(S, s_lo + S_CHUNK)
+    for s_idx in range(s_lo, s_hi):
+        s = s_idx + zero  # a tensor under the interpreter too (int64 offsets)
+        q = _load_tile(_row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh), offs_m,
+                       offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+        do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh),
+                        offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
+                        HIGH_PRECISION)
+        k_t = _load_tile(_row_ptr(K, b, s, h, stride_kb, stride_ks, stride_kh),
+                         offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
+                         HIGH_PRECISION)
+        lse = _load_rowstat(_stat_ptr(LSE, b, s, h, S, H, N), offs_m, N, float("inf"), EVEN_N)
+        r = _load_rowstat(_stat_ptr(RSCALE, b, s, h, S, H, N), offs_m, N, 0.0, EVEN_N)
+        delta = _load_rowstat(_stat_ptr(DELTA, b, s, h, S, H, N), offs_m, N, 0.0,
+                              EVEN_N)
+        ds = _ds_block(q, do, lse, r, delta, bias_log2, k_t,
+                       _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
+                       b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
+                       stride_mn, qk_scale_log2, HAS_MASK, True, COL_MASK, EVEN_N,
+                       PAD_D, HIGH_PRECISION)
+        dbias += ds
+        if FUSE_DQ:
+            dq = _dot(ds.to(k_t.dtype), tl.trans(k_t), None, HIGH_PRECISION) * sm_scale
+            dq_ptrs = (_row_ptr(DQ_ACC, b, s, h, stride_gb, stride_gs, stride_gh)
+                       + offs_m[:, None] * stride_gn + offs_d[None, :])
+            tl.atomic_add(dq_ptrs, dq,
+                          mask=(offs_m[:, None] < N) & (offs_d[None, :] < D),
+                          sem="relaxed")
+
+    db_ptrs = (DBIAS_PART + split.to(tl.int64) * stride_dbp
+               + b.to(tl.int64) * stride_dbb + h.to(tl.int64) * stride_dbh
+               + offs_m[:, None] * stride_dbi + offs_n[None, :])
+    tl.store(db_ptrs, dbias.to(DBIAS_PART.dtype.element_ty),
+             mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))

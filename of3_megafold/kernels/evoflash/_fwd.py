@@ -1,0 +1,151 @@
+"""EvoFlash forward kernel: flash attention with a pair bias shared over S.
+
+One program owns ``BLOCK_M`` query rows of ``S_GROUP`` consecutive S slices of one
+``(b, h)`` and walks the keys in ``BLOCK_N`` blocks with the online softmax of
+flash-attention 2 (Dao, 2023). The pair-bias tile of a key block is the same for
+every S slice when the bias is broadcast over S, so it is loaded once per key block
+and used ``S_GROUP`` times: at OF3's triangle shapes the bias tile, not the dots, is
+the bulk of the L2 traffic per exponential.
+
+Stored per query row: ``lse = m + log2(l)`` (base 2) and ``r = 2^(lse - m - log2 l)``,
+the factor the rounding of ``lse`` lost. ``r`` is 1 up to an ulp except for a query
+whose keys are all masked by a -1e9 bias: there ``m`` is ~-1.4e9, ``m + log2(l)``
+rounds back to ``m`` and ``r = 1 / l`` carries the normalisation the backward needs.
+"""
+
+import triton
+import triton.language as tl
+
+from ._tiles import _dot, _load_bias_log2, _load_key_mask, _load_tile, _row_ptr, _stat_ptr
+
+
+@triton.jit
+def _fwd_key_block(
+    acc, m_i, l_i, q, bias_log2,
+    K_row, V_row, MASK, b, s, offs_n, offs_d, N, D,
+    stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, qk_scale_log2,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of one S slice over the key block ``offs_n``."""
+    k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
+                     HIGH_PRECISION)
+    v = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
+                   HIGH_PRECISION)
+    s2 = _dot(q, k_t, None, HIGH_PRECISION) * qk_scale_log2
+    if HAS_BIAS:
+        s2 += bias_log2
+    if COL_MASK:
+        key_mask = _load_key_mask(MASK, b, s, offs_n, N, stride_mb, stride_ms,
+                                  stride_mn, HAS_MASK, EVEN_N)
+        s2 += key_mask[None, :]
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    p = tl.math.exp2(s2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], HIGH_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_store(
+    acc, m_i, l_i, O_row, LSE_row, R_row, offs_m, offs_d, stride_on, n_rows, D,
+):
+    """Normalise and store one S slice's rows; ``n_rows`` is N, or 0 for a slice
+    past S (a scalar row limit rather than a boolean: the interpreter cannot
+    combine a scalar int1 with a block mask)."""
+    log2_l = tl.math.log2(l_i)
+    lse = m_i + log2_l
+    r = tl.math.exp2((lse - m_i) - log2_l)
+    o = acc / l_i[:, None]
+    rows_ok = offs_m < n_rows
+    o_ptrs = O_row + offs_m[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O_row.dtype.element_ty),
+             mask=rows_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE_row + offs_m, lse, mask=rows_ok)
+    tl.store(R_row + offs_m, r, mask=rows_ok)
+
+
+@triton.jit
+def _evoflash_fwd_kernel(
+    Q, K, V, MASK, BIAS, O, LSE, RSCALE,
+    qk_scale_log2,
+    stride_qb, stride_qs, stride_qn, stride_qh,
+    stride_kb, stride_ks, stride_kn, stride_kh,
+    stride_vb, stride_vs, stride_vn, stride_vh,
+    stride_ob, stride_os, stride_on, stride_oh,
+    stride_mb, stride_ms, stride_mn,
+    stride_bb, stride_bs, stride_bh, stride_bi,
+    S, N, H, D,
+    N_BUCKET, S_BUCKET,  # autotuning key only
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
+    HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
+):
+    tl.static_assert(S_GROUP == 1 or S_GROUP == 2)
+    # Program order: query block fastest, then S group, head, batch. The query
+    # blocks of one S group share K/V; all programs of a head share its bias,
+    # which stays in L2 while the head is processed.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_sg = tl.cdiv(S, S_GROUP)
+    m_blk = pid % num_m
+    rest = pid // num_m
+    s0 = (rest % num_sg) * S_GROUP
+    rest = rest // num_sg
+    h = rest % H
+    b = rest // H
+
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
+                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+    K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
+    V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if S_GROUP == 2:
+        # A group running past S recomputes slice S-1 and does not store it.
+        s1 = tl.minimum(s0 + 1, S - 1)
+        q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
+                        offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
+                        HIGH_PRECISION)
+        K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
+        V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    for start_n in range(0, N, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias_log2 = _load_bias_log2(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
+                                        stride_bs, stride_bh, stride_bi, EVEN_N, False)
+        else:
+            bias_log2 = 0.0
+        acc0, m0, l0 = _fwd_key_block(
+            acc0, m0, l0, q0, bias_log2, K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
+            stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, qk_scale_log2,
+            HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION)
+        if S_GROUP == 2:
+            if BIAS_PER_S:
+                bias_log2 = _load_bias_log2(BIAS, b, s1, h, offs_m, offs_n, N,
+                                            stride_bb, stride_bs, stride_bh,
+                                            stride_bi, EVEN_N, False)
+            acc1, m1, l1 = _fwd_key_block(
+                acc1, m1, l1, q1, bias_log2, K1, V1, MASK, b, s1, offs_n, offs_d, N,
+                D, stride_kn, stride_vn, stride_mb, stride_ms, stride_mn,
+                qk_scale_log2, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+                HIGH_PRECISION)
+
+    _fwd_store(acc0, m0, l0, _row_ptr(O, b, s0, h, stride_ob, stride_os, stride_oh),
+               _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
+               offs_m, offs_d, stride_on, N, D)
+    if S_GROUP == 2:
+        _fwd_store(acc1, m1, l1, _row_ptr(O, b, s1, h, stride_ob, stride_os, stride_oh),
+                   _stat_ptr(LSE, b, s1, h, S, H, N),
+                   _stat_ptr(RSCALE, b, s1, h, S, H, N),
+                   offs_m, offs_d, stride_on, tl.where(s0 + 1 < S, N, 0), D)

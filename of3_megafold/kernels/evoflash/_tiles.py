@@ -1,0 +1,138 @@
+"""Tile loads and the dot shared by the EvoFlash forward and backward kernels.
+
+Conventions used by every kernel of the op:
+
+* logits live in the base-2 domain: ``s2 = log2(e) * (scale q.k + pair_bias +
+  mask_bias)`` so the softmax uses ``exp2`` (one MUFU op, no extra multiply);
+  ``log2(e) * scale`` is folded into one multiply of the dot result.
+* keys past the end of the sequence get ``-inf`` through the column mask; rows past
+  the end load zeros and are never stored.
+* head dims that are not a power of two >= 16 are zero padded by masked loads.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+
+
+@triton.jit
+def _dot(a, b, acc, HIGH_PRECISION: tl.constexpr):
+    """``acc + a @ b``; fp32 ieee dots in high precision, else the inputs' own
+    tensor-core precision (bf16/fp16, or tf32 for fp32 inputs)."""
+    if HIGH_PRECISION:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _row_ptr(T, b, s, h, stride_b, stride_s, stride_h):
+    """Pointer to ``T[b, s, 0, h, 0]`` (int64 offsets: tensors exceed 2**31)."""
+    return (
+        T
+        + b.to(tl.int64) * stride_b
+        + s.to(tl.int64) * stride_s
+        + h.to(tl.int64) * stride_h
+    )
+
+
+@triton.jit
+def _stat_ptr(T, b, s, h, S, H, N):
+    """Pointer to row 0 of a contiguous ``[B, S, H, N]`` per-query statistic."""
+    return T + ((b.to(tl.int64) * S + s) * H + h) * N
+
+
+@triton.jit
+def _load_tile(
+    base,
+    offs_r,
+    offs_d,
+    stride_r,
+    N,
+    D,
+    EVEN_N: tl.constexpr,
+    PAD_D: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    TO_FP32: tl.constexpr,
+):
+    """``[R, BLOCK_D]`` tile of sequence rows ``offs_r`` (``[BLOCK_D, R]`` if
+    TRANSPOSED), zero outside ``N`` rows and ``D`` columns."""
+    if TRANSPOSED:
+        ptrs = base + offs_r[None, :] * stride_r + offs_d[:, None]
+        inside = (offs_r[None, :] < N) & (offs_d[:, None] < D)
+    else:
+        ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+        inside = (offs_r[:, None] < N) & (offs_d[None, :] < D)
+    # Nested constexpr ifs rather than `and`/`not`: portable across Triton versions.
+    if EVEN_N:
+        if PAD_D:
+            tile = tl.load(ptrs, mask=inside, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=inside, other=0.0)
+    if TO_FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _load_rowstat(base, offs_r, N, other, EVEN_N: tl.constexpr):
+    if EVEN_N:
+        x = tl.load(base + offs_r)
+    else:
+        x = tl.load(base + offs_r, mask=offs_r < N, other=other)
+    return x
+
+
+@triton.jit
+def _load_key_mask(
+    MASK, b, s, offs_n, N, stride_mb, stride_ms, stride_mn,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """``log2(e) * mask_bias[b, s, j]`` for keys ``offs_n``; ``-inf`` past N."""
+    if HAS_MASK:
+        ptrs = (
+            MASK
+            + b.to(tl.int64) * stride_mb
+            + s.to(tl.int64) * stride_ms
+            + offs_n * stride_mn
+        )
+        if EVEN_N:
+            m = tl.load(ptrs).to(tl.float32) * LOG2E
+        else:
+            m = tl.load(ptrs, mask=offs_n < N, other=float("-inf")).to(tl.float32)
+            m = m * LOG2E
+    else:
+        m = tl.where(offs_n < N, 0.0, float("-inf"))
+    return m
+
+
+@triton.jit
+def _load_bias_log2(
+    BIAS, b, s, h, offs_i, offs_j, N,
+    stride_bb, stride_bs, stride_bh, stride_bi,
+    EVEN_N: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """``log2(e) * pair_bias[b, s, h, i, j]`` as ``[I, J]`` (``[J, I]`` if
+    TRANSPOSED); zero outside the N x N square. The j stride is 1."""
+    base = (
+        BIAS
+        + b.to(tl.int64) * stride_bb
+        + s.to(tl.int64) * stride_bs
+        + h.to(tl.int64) * stride_bh
+    )
+    if TRANSPOSED:
+        ptrs = base + offs_j[:, None] + offs_i[None, :] * stride_bi
+        inside = (offs_j[:, None] < N) & (offs_i[None, :] < N)
+    else:
+        ptrs = base + offs_i[:, None] * stride_bi + offs_j[None, :]
+        inside = (offs_i[:, None] < N) & (offs_j[None, :] < N)
+    if EVEN_N:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=inside, other=0.0)
+    return tile.to(tl.float32) * LOG2E
+

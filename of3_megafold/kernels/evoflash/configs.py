@@ -1,0 +1,101 @@
+"""Launch configurations of the EvoFlash kernels.
+
+Tuned for the H200 (sm_90, 132 SMs, 60 MB L2) at OF3's shapes: triangle attention
+``[1, N, N, 4, 32]`` (N 256..2048), diffusion ``[1, 48, N, 16, 48]`` and trunk single
+attention ``[1, 1, N, 16, 24]``. The lists are short on purpose (compile time): a
+few tile shapes around 64/128, 4 or 8 warps, 2 or 3 stages, with and without
+pairing two S slices per program (``S_GROUP``, which halves the pair-bias traffic).
+
+The autotuning key is (head-dim block, heads, dtypes, bucketed N, bucketed S, flags),
+so a training run tunes once per crop-size bucket, not once per crop size; with
+``cache_results`` the choice is also kept on disk across runs. Under the Triton
+interpreter nothing is tuned: one small fixed configuration runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cfg(block_m: int, block_n: int, s_group: int | None, warps: int, stages: int):
+    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    if s_group is not None:
+        kwargs["S_GROUP"] = s_group
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
+
+
+# Forward and dQ: BLOCK_M query rows owned, BLOCK_N keys per step.
+FWD_CONFIGS = [
+    _cfg(128, 64, 2, 8, 2),
+    _cfg(128, 64, 1, 4, 3),
+    _cfg(64, 64, 2, 4, 2),
+    _cfg(128, 128, 1, 8, 2),
+    _cfg(64, 128, 2, 4, 2),
+]
+DQ_CONFIGS = [
+    _cfg(128, 64, 2, 8, 2),
+    _cfg(128, 64, 1, 8, 2),
+    _cfg(64, 64, 2, 4, 2),
+    _cfg(64, 128, 1, 4, 2),
+]
+# dK/dV: BLOCK_N keys owned, BLOCK_M query rows per step.
+DKDV_CONFIGS = [
+    _cfg(64, 128, 1, 8, 2),
+    _cfg(64, 128, 2, 8, 2),
+    _cfg(64, 64, 2, 4, 2),
+    _cfg(128, 64, 1, 8, 2),
+]
+# dbias: a BLOCK_M x BLOCK_N tile of the bias gradient owned, S walked.
+DBIAS_CONFIGS = [
+    _cfg(64, 64, None, 4, 2),
+    _cfg(128, 64, None, 8, 2),
+    _cfg(64, 128, None, 8, 2),
+    _cfg(128, 128, None, 8, 2),
+]
+
+# Under the interpreter: small blocks so that N = 17, 33 cross block boundaries,
+# and S_GROUP = 2 so the paired-slice path (and its S tail) is what CI checks.
+INTERPRETER_CONFIGS = {
+    "fwd": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
+    "dq": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
+    "dkdv": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
+    "dbias": {"BLOCK_M": 16, "BLOCK_N": 16},
+}
+
+
+def n_bucket(n: int) -> int:
+    """Sequence-length bucket of the autotuning key: the next power of two."""
+    return triton.next_power_of_2(max(n, 16))
+
+
+def s_bucket(s: int) -> int:
+    """S bucket of the autotuning key: 1, a few (<= 16), tens (<= 64), many."""
+    if s == 1:
+        return 1
+    if s <= 16:
+        return 16
+    if s <= 64:
+        return 64
+    return 256
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Drop configurations that cannot pay off for this call: paired S slices
+    when there is one slice or the bias has its own S axis, and blocks larger than
+    the sequence. Keeps at least one."""
+    args = {**named_args, **kwargs}
+    n_cap = max(16, triton.next_power_of_2(args["N"]))
+    single_s = args["S"] == 1 or args.get("BIAS_PER_S", False)
+    kept = []
+    for cfg in configs:
+        kw = cfg.kwargs
+        if single_s and kw.get("S_GROUP", 1) > 1:
+            continue
+        if kw["BLOCK_M"] > n_cap or kw["BLOCK_N"] > n_cap:
+            continue
+        kept.append(cfg)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]

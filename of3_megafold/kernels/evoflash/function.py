@@ -1,0 +1,381 @@
+"""EvoFlash-3D: launchers, autograd function and functional API.
+
+``O = softmax(scale * Q K^T + mask_bias + pair_bias) V`` over ``[B, S, N, H, D]``
+inputs with a pair bias shared by the S slices (triangle attention, the diffusion
+transformer, single attention), without materialising the ``[B, S, H, N, N]``
+logits. See ``_fwd`` and ``_bwd`` for the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import configs
+from ._bwd import (
+    _evoflash_bwd_dbias_kernel,
+    _evoflash_bwd_dkdv_kernel,
+    _evoflash_bwd_dq_kernel,
+    _evoflash_bwd_preprocess_kernel,
+)
+from ._fwd import _evoflash_fwd_kernel
+
+LOG2E = 1.4426950408889634
+
+_HEURISTICS = {
+    "EVEN_N": lambda a: a["N"] % a["BLOCK_M"] == 0 and a["N"] % a["BLOCK_N"] == 0,
+    "PAD_D": lambda a: a["D"] != a["BLOCK_D"],
+    "COL_MASK": lambda a: bool(a["HAS_MASK"]) or a["N"] % a["BLOCK_N"] != 0,
+}
+_KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "HIGH_PRECISION"]
+
+
+def _tunable(kernel, tuned_configs, key, reset_to_zero=None):
+    kernel = triton.heuristics(_HEURISTICS)(kernel)
+    if configs.INTERPRET:
+        return kernel
+    options = {
+        "configs": tuned_configs,
+        "key": key,
+        "prune_configs_by": {"early_config_prune": configs.prune_configs},
+        "reset_to_zero": reset_to_zero,
+    }
+    try:
+        return triton.autotune(cache_results=True, **options)(kernel)
+    except TypeError:  # a Triton without the on-disk autotuning cache
+        return triton.autotune(**options)(kernel)
+
+
+_fwd = _tunable(_evoflash_fwd_kernel, configs.FWD_CONFIGS,
+                _KEY + ["HAS_BIAS", "BIAS_PER_S"])
+_dq = _tunable(_evoflash_bwd_dq_kernel, configs.DQ_CONFIGS,
+               _KEY + ["HAS_BIAS", "BIAS_PER_S", "COMPUTE_DQ", "STORE_DS"])
+_dkdv = _tunable(_evoflash_bwd_dkdv_kernel, configs.DKDV_CONFIGS,
+                 _KEY + ["HAS_BIAS", "BIAS_PER_S"])
+_dbias = _tunable(_evoflash_bwd_dbias_kernel, configs.DBIAS_CONFIGS,
+                  _KEY + ["FUSE_DQ"], reset_to_zero=["DQ_ACC"])
+
+
+def _launch(kernel, name: str, grid, **kwargs) -> None:
+    if configs.INTERPRET:
+        kwargs.update(configs.INTERPRETER_CONFIGS[name])
+    kernel[grid](**kwargs)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(b, s, n, h) strides of a ``[B, S, N, H, D]`` tensor."""
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _as_5d(t: torch.Tensor) -> torch.Tensor:
+    return t[(None,) * (5 - t.dim())] if t.dim() < 5 else t
+
+
+class _Inputs:
+    """Shape checks and the strided views the kernels read."""
+
+    def __init__(self, q, k, v, mask_bias, pair_bias):
+        if q.dim() != 5:
+            raise ValueError(f"q must be [B, S, N, H, D], got shape {tuple(q.shape)}")
+        if k.shape != q.shape or v.shape != q.shape:
+            raise ValueError(
+                f"q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {q.dtype}")
+        self.B, self.S, self.N, self.H, self.D = q.shape
+        if self.D > 128:
+            raise ValueError(f"head dim {self.D} > 128 is not supported")
+        self.q, self.k, self.v = (t if t.stride(-1) == 1 else t.contiguous()
+                                  for t in (q, k, v))
+        B, S, N, H = self.B, self.S, self.N, self.H
+        self.mask = None
+        self.mask_strides = (0, 0, 0)
+        if mask_bias is not None:
+            self.mask = mask_bias
+            m = _as_5d(mask_bias).expand(B, S, 1, 1, N)
+            self.mask_strides = (m.stride(0), m.stride(1), m.stride(4))
+        self.bias = None
+        self.bias_shape = None
+        self.bias_strides = (0, 0, 0, 0)
+        self.bias_per_s = False
+        if pair_bias is not None:
+            self.bias_shape = pair_bias.shape
+            pb = _as_5d(pair_bias)
+            if pb.shape[-2:] != (N, N):
+                raise ValueError(
+                    f"pair_bias must end in [N, N] = [{N}, {N}], got "
+                    f"{tuple(pair_bias.shape)}"
+                )
+            if pb.stride(-1) != 1:
+                # One copy of the (small, N^2 H) bias so the kernels read it
+                # coalesced; OF3's bias is a permuted view of a [*, N, N, H] linear.
+                pb = pb.contiguous()
+            self.bias = pb
+            pbe = pb.expand(B, S, H, N, N)
+            self.bias_strides = (pbe.stride(0), pbe.stride(1), pbe.stride(2),
+                                 pbe.stride(3))
+            self.bias_per_s = S > 1 and pbe.stride(1) != 0
+
+    def common_args(self, high_precision: bool) -> dict:
+        return dict(
+            stride_mb=self.mask_strides[0], stride_ms=self.mask_strides[1],
+            stride_mn=self.mask_strides[2],
+            S=self.S, N=self.N, H=self.H, D=self.D,
+            N_BUCKET=configs.n_bucket(self.N), S_BUCKET=configs.s_bucket(self.S),
+            HAS_MASK=self.mask is not None,
+            HIGH_PRECISION=bool(high_precision),
+            BLOCK_D=max(16, triton.next_power_of_2(self.D)),
+        )
+
+    def bias_args(self) -> dict:
+        sb, ss, sh, si = self.bias_strides
+        return dict(stride_bb=sb, stride_bs=ss, stride_bh=sh, stride_bi=si,
+                    HAS_BIAS=self.bias is not None, BIAS_PER_S=self.bias_per_s)
+
+
+def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
+    """Launch the forward kernel. Returns ``(o, lse, r)``: the output in the input
+    layout and dtype, and the two fp32 ``[B, S, H, N]`` row statistics."""
+    B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
+    q = inp.q
+    o = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, S, H, N), dtype=torch.float32, device=q.device)
+    r = torch.empty_like(lse)
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_M"]) * triton.cdiv(S, meta["S_GROUP"])
+                * H * B,)
+
+    (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
+    (svb, svs, svn, svh), (sob, sos, son, soh) = _strides(inp.v), _strides(o)
+    _launch(
+        _fwd, "fwd", grid,
+        Q=q, K=inp.k, V=inp.v,
+        MASK=inp.mask if inp.mask is not None else q,
+        BIAS=inp.bias if inp.bias is not None else q,
+        O=o, LSE=lse, RSCALE=r,
+        qk_scale_log2=scale * LOG2E,
+        stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
+        stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
+        stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
+        stride_ob=sob, stride_os=sos, stride_on=son, stride_oh=soh,
+        **inp.common_args(high_precision), **inp.bias_args(),
+    )
+    return o, lse, r
+
+
+def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
+    """S chunks for the dbias kernel: enough programs for two waves of 128 x 128
+    tiles, at least 16 S slices per chunk (summed afterwards, in a fixed order)."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 2  # the interpreter: still exercise the split path at small sizes
+    tiles = inp.B * inp.H * triton.cdiv(inp.N, 128) ** 2
+    wanted = triton.cdiv(2 * sms, tiles)
+    return max(1, min(wanted, inp.S // 16 if device.type == "cuda" else inp.S))
+
+
+def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Reduce a ``[B, S|1, H, N, N]`` gradient to a broadcast input's shape."""
+    target = (1,) * (5 - len(shape)) + tuple(shape)
+    dims = [i for i in range(5) if target[i] == 1 and grad.shape[i] != 1]
+    if dims:
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.reshape(shape)
+
+
+def evoflash_bwd(
+    inp: _Inputs, do: torch.Tensor, o, lse, r, scale: float, high_precision: bool,
+    deterministic: bool, need_dq: bool, need_dkdv: bool, need_dbias: bool,
+):
+    """Launch the backward kernels. Returns ``(dq, dk, dv, dbias)``, None where not
+    needed; ``dbias`` has the pair bias's shape and dtype."""
+    B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
+    q = inp.q
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty_like(lse)
+    sob, sos, son, soh = _strides(o)
+    sdb, sds, sdn, sdh = _strides(do)
+    block_d = max(16, triton.next_power_of_2(D))
+    pre_block = 64 if block_d <= 64 else 32
+    _evoflash_bwd_preprocess_kernel[(triton.cdiv(N, pre_block), B * S * H)](
+        o, do, r, delta,
+        sob, sos, son, soh, sdb, sds, sdn, sdh,
+        S, N, H, D, BLOCK_M=pre_block, BLOCK_D=block_d,
+    )
+
+    # dq, dk, dv (and the fp32 dQ accumulator) are contiguous [B, S, N, H, D]
+    sgb, sgs, sgn, sgh = S * N * H * D, N * H * D, H * D, D
+    unused = torch.empty(1, dtype=torch.float32, device=q.device)
+    (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
+    svb, svs, svn, svh = _strides(inp.v)
+    args = dict(
+        Q=q, K=inp.k, V=inp.v, DO=do,
+        MASK=inp.mask if inp.mask is not None else q,
+        BIAS=inp.bias if inp.bias is not None else q,
+        LSE=lse, RSCALE=r, DELTA=delta,
+        qk_scale_log2=scale * LOG2E, sm_scale=scale,
+        stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
+        stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
+        stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
+        stride_dob=sdb, stride_dos=sds, stride_don=sdn, stride_doh=sdh,
+        stride_gb=sgb, stride_gs=sgs, stride_gn=sgn, stride_gh=sgh,
+        **inp.common_args(high_precision),
+    )
+    dq = dk = dv = dbias = None
+
+    if need_dkdv:
+        dk = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
+        dv = torch.empty_like(dk)
+
+        def grid_dkdv(meta):
+            return (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(S, meta["S_GROUP"])
+                    * H * B,)
+
+        _launch(_dkdv, "dkdv", grid_dkdv, DK=dk, DV=dv, **args, **inp.bias_args())
+
+    need_dbias = need_dbias and inp.bias is not None
+    reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
+    fuse_dq = need_dq and reduce_over_s and not deterministic
+    if reduce_over_s:
+        splits = _dbias_splits(inp, q.device)
+        s_chunk = triton.cdiv(S, splits)
+        splits = triton.cdiv(S, s_chunk)
+        part = torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device)
+        dq_acc = (torch.zeros((B, S, N, H, D), dtype=torch.float32, device=q.device)
+                  if fuse_dq else unused)
+        sb, _, sh, si = inp.bias_strides
+
+        def grid_dbias(meta):
+            return (triton.cdiv(N, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+                    * H * B * splits,)
+
+        _launch(
+            _dbias, "dbias", grid_dbias, **args,
+            DQ_ACC=dq_acc, DBIAS_PART=part,
+            stride_bb=sb, stride_bh=sh, stride_bi=si,
+            stride_dbp=part.stride(0), stride_dbb=part.stride(1),
+            stride_dbh=part.stride(2), stride_dbi=part.stride(3),
+            B=B, S_CHUNK=s_chunk, FUSE_DQ=fuse_dq,
+        )
+        dbias = part.sum(0).unsqueeze(1) if splits > 1 else part[0].unsqueeze(1)
+        if fuse_dq:
+            dq = dq_acc.to(q.dtype)
+
+    store_ds = need_dbias and not reduce_over_s
+    if (need_dq and not fuse_dq) or store_ds:
+        if need_dq and not fuse_dq:
+            dq = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
+        if store_ds:
+            bias_s = S if inp.bias_per_s else 1
+            dbias = torch.empty((B, bias_s, H, N, N), dtype=torch.float32,
+                                device=q.device)
+            db_strides = dbias.stride()[:4]
+        else:
+            db_strides = (0, 0, 0, 0)
+
+        def grid_dq(meta):
+            return (triton.cdiv(N, meta["BLOCK_M"]) * triton.cdiv(S, meta["S_GROUP"])
+                    * H * B,)
+
+        _launch(
+            _dq, "dq", grid_dq, **args, **inp.bias_args(),
+            DQ=dq if dq is not None else unused,
+            DBIAS=dbias if store_ds else unused,
+            stride_dbb=db_strides[0], stride_dbs=db_strides[1],
+            stride_dbh=db_strides[2], stride_dbi=db_strides[3],
+            COMPUTE_DQ=need_dq and not fuse_dq, STORE_DS=store_ds,
+        )
+
+    if dbias is not None:
+        dbias = _sum_to_shape(dbias, inp.bias_shape).to(inp.bias.dtype)
+    return dq, dk, dv, dbias
+
+
+class EvoFlashAttentionFunction(torch.autograd.Function):
+    """Autograd function behind :func:`evoflash_attention` (same arguments).
+
+    Saves Q, K, V, O and two fp32 statistics per query row; the probabilities are
+    recomputed in backward. The mask bias gets no gradient (it is a mask).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask_bias, pair_bias, scale, high_precision,
+                deterministic):
+        inp = _Inputs(q, k, v, mask_bias, pair_bias)
+        if scale is None:
+            scale = inp.D ** -0.5
+        o, lse, r = evoflash_fwd(inp, scale, high_precision)
+        ctx.save_for_backward(inp.q, inp.k, inp.v, inp.mask, inp.bias, o, lse, r)
+        ctx.bias_shape = inp.bias_shape
+        ctx.scale = scale
+        ctx.high_precision = high_precision
+        ctx.deterministic = deterministic
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, mask, bias, o, lse, r = ctx.saved_tensors
+        need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
+        # the saved bias is the 5-d view the kernels read; its gradient takes the
+        # caller's shape
+        inp = _Inputs(q, k, v, mask, bias)
+        inp.bias_shape = ctx.bias_shape
+        dq, dk, dv, dbias = evoflash_bwd(
+            inp, do, o, lse, r, ctx.scale, ctx.high_precision, ctx.deterministic,
+            need_dq, need_dk or need_dv, need_dbias,
+        )
+        return (dq, dk if need_dk else None, dv if need_dv else None, None, dbias,
+                None, None, None)
+
+
+def evoflash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask_bias: torch.Tensor | None = None,
+    pair_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    high_precision: bool = False,
+    deterministic: bool = True,
+) -> torch.Tensor:
+    """Fused ``O = softmax(scale * Q K^T + mask_bias + pair_bias) V``.
+
+    Args:
+        q, k, v: ``[B, S, N, H, D]`` (OF3's layout after the q/k/v projections),
+            same dtype (fp32, bf16, fp16), any strides with a unit last stride;
+            D up to 128 (tuned for 8..64).
+        mask_bias: optional additive mask broadcastable to ``[B, S, 1, 1, N]``;
+            use a large finite negative (OF3: ``1e9 * (mask - 1)``), not -inf: a
+            query whose keys are all masked then gets uniform weights, as in OF3.
+            Not differentiated (its gradient is None).
+        pair_bias: optional bias broadcastable to ``[B, S, H, N, N]``, typically
+            ``[B, 1, H, N, N]``; its gradient is reduced over what it broadcasts.
+        scale: logit scale, default ``D ** -0.5``.
+        high_precision: fp32 ieee dots throughout (OF3's ``use_high_precision``);
+            otherwise dots run in the input dtype (tf32 for fp32 inputs) with fp32
+            softmax and accumulation.
+        deterministic: the default computes every gradient with a fixed summation
+            order; False fuses dQ into the bias-gradient pass with fp32 atomics
+            (one pass less, not bit-reproducible).
+
+    Returns:
+        ``[B, S, N, H, D]`` in the input dtype.
+
+    Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``; anywhere else it raises
+    (use :func:`evoflash_attention_reference`).
+    """
+    if not (q.is_cuda or configs.INTERPRET):
+        raise RuntimeError(
+            "evoflash_attention needs a CUDA tensor (or TRITON_INTERPRET=1); "
+            "use evoflash_attention_reference on CPU"
+        )
+    return EvoFlashAttentionFunction.apply(
+        q, k, v, mask_bias, pair_bias, scale, high_precision, deterministic
+    )
