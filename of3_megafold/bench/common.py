@@ -1,0 +1,261 @@
+"""Helpers shared by the ``of3-megafold bench`` modules.
+
+Every benchmark writes rows (flat dicts, JSON-serialisable) into
+``docs/benchmarks/<what>.json``. A row carries what was measured (``ms``, a peak
+memory figure) and the :func:`environment_metadata` fields, so rows from different
+machines and commits can sit in one file and still be told apart.
+
+Timing follows the Liger / xformers convention: :func:`timed_peak` times with
+``triton.testing.do_bench`` (median, warm-up, L2 flush) on CUDA and measures the
+peak memory in a separate call, because ``do_bench`` allocates its own L2-flush
+buffer that would otherwise be counted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+MIB = 1024**2
+GIB = 1024**3
+
+# Fields every row carries; scripts/plot_benchmarks.py uses these names too.
+METADATA_FIELDS = (
+    "gpu",
+    "torch",
+    "triton",
+    "openfold3",
+    "of3_megafold",
+    "commit",
+    "date",
+)
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def benchmark_json(what: str) -> Path:
+    """Default output file of benchmark ``what``: ``docs/benchmarks/<what>.json``.
+
+    Inside a source checkout this is the checkout's ``docs/benchmarks``; for an
+    installed copy it is relative to the working directory.
+    """
+    checkout_docs = _PACKAGE_DIR.parent / "docs" / "benchmarks"
+    root = (
+        checkout_docs if checkout_docs.is_dir() else Path.cwd() / "docs" / "benchmarks"
+    )
+    return root / f"{what}.json"
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _git_commit() -> str | None:
+    """Commit of the checkout holding this package, ``+dirty`` if it has edits."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=_PACKAGE_DIR,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=_PACKAGE_DIR,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}+dirty" if status else commit
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """``torch.cuda.get_device_name`` for a CUDA device, else ``cpu (<machine>)``."""
+    device = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def environment_metadata(device: torch.device | str | None = None) -> dict[str, Any]:
+    """The fields that identify where and with what a row was measured.
+
+    Returns a dict with ``gpu`` (device name), ``torch``, ``triton``, ``openfold3``,
+    ``of3_megafold`` (versions; ``None`` if not installed), ``commit`` (git commit of
+    the kit's checkout, ``None`` outside one) and ``date`` (UTC, ISO 8601), plus
+    ``cuda`` and ``python`` versions.
+    """
+    from of3_megafold import __version__ as kit_version
+
+    return {
+        "gpu": device_name(device),
+        "torch": torch.__version__,
+        "triton": _distribution_version("triton"),
+        "openfold3": _distribution_version("openfold3"),
+        "of3_megafold": kit_version,
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+class Timing(NamedTuple):
+    """Median time of one call in milliseconds, and its peak memory in MiB.
+
+    ``peak_mib`` is ``max_memory_allocated`` during one call minus what was
+    allocated before it; ``None`` on CPU, where PyTorch keeps no allocator
+    statistics.
+    """
+
+    ms: float
+    peak_mib: float | None
+
+
+def peak_mib_of_call(fn: Callable[[], Any]) -> float | None:
+    """Peak CUDA memory (MiB) one call of ``fn`` allocates above the memory in use
+    before it; ``None`` without CUDA."""
+    if not torch.cuda.is_available():
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / MIB
+
+
+def timed_peak(
+    fn: Callable[[], Any],
+    *,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> Timing:
+    """Time ``fn`` and measure its peak memory.
+
+    On CUDA: one warm-up call (Triton autotuning and lazy initialisation happen
+    there, outside both measurements), one call for the peak memory, then
+    ``triton.testing.do_bench(fn, warmup_ms, rep_ms, grad_to_none,
+    return_mode="median")``. On CPU: a wall-clock median over calls filling about
+    ``rep_ms`` (at least 3) after about ``warmup_ms`` of warm-up.
+
+    Args:
+        fn: The work to time; called many times, takes no arguments.
+        warmup_ms: Warm-up budget in milliseconds.
+        rep_ms: Measurement budget in milliseconds.
+        grad_to_none: Tensors whose ``.grad`` is reset between calls (CUDA only,
+            as in ``do_bench``), so backward passes do not accumulate.
+    """
+    if torch.cuda.is_available():
+        import triton.testing
+
+        fn()
+        peak = peak_mib_of_call(fn)
+        ms = triton.testing.do_bench(
+            fn,
+            warmup=warmup_ms,
+            rep=rep_ms,
+            grad_to_none=grad_to_none,
+            return_mode="median",
+        )
+        return Timing(ms=float(ms), peak_mib=peak)
+
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    fn()
+    while time.perf_counter() < deadline:
+        fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return Timing(ms=statistics.median(times), peak_mib=None)
+
+
+def _json_default(value: Any) -> Any:
+    # numpy scalars and 0-d tensors carry .item(); anything else (Path, dtype) is
+    # written as its string form.
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def _check_finite(value: Any, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"non-finite number {value} in benchmark row at {where}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_finite(item, f"{where}[{index}]")
+
+
+def read_rows(path: Path | str) -> list[dict[str, Any]]:
+    """Rows stored in a benchmark JSON file; ``[]`` if it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} holds {type(rows).__name__}, expected a JSON list")
+    return rows
+
+
+def append_rows(path: Path | str, rows: Iterable[dict[str, Any]]) -> None:
+    """Append ``rows`` to the JSON list in ``path``, creating it if needed.
+
+    The new list is written to a temporary file in the same directory and moved
+    over ``path`` with ``os.replace``, so a reader never sees a half-written file
+    and an interrupted run leaves the old file intact. Non-finite floats are
+    refused (JSON has none; a NaN timing or loss is a bug to report, not to store).
+    Two processes appending at the same moment can still lose one's rows: run
+    benchmarks writing the same file one after another.
+    """
+    path = Path(path)
+    rows = list(rows)
+    for index, row in enumerate(rows):
+        _check_finite(row, f"row {index}")
+    all_rows = read_rows(path) + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(
+                all_rows, handle, indent=1, default=_json_default, allow_nan=False
+            )
+            handle.write("\n")
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
