@@ -35,6 +35,7 @@ from of3_megafold.kernels.backend import interpreter_enabled
 from of3_megafold.kernels.swiglu_transition._fwd import (
     _mm,
     _out_weight_tile_cn,
+    _round,
     _sigmoid,
     _weight_tile_kn,
 )
@@ -45,6 +46,7 @@ def _recompute_rows(
     X, LN_W, LN_B, MEAN, RSTD, DY, MASK,
     rows, cols, row_ok, col_ok, stride_x, stride_dy,
     NORMALIZE: tl.constexpr, HAS_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):  # fmt: skip
     """``(xn, xhat, rstd, dy)`` of a row block: the matmul input in the compute
     dtype, the fp32 normalised rows (zero outside), their rstd, and the masked
@@ -61,18 +63,18 @@ def _recompute_rows(
         xhat = tl.where(io_mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         ln_w = tl.load(LN_W + cols, mask=col_ok, other=0.0).to(tl.float32)
         ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xn = (xhat * ln_w[None, :] + ln_b[None, :]).to(COMPUTE_DTYPE)
+        xn = _round(xhat * ln_w[None, :] + ln_b[None, :], COMPUTE_DTYPE, INTERPRETER)
     else:
         rstd = tl.full((rows.shape[0],), 1.0, tl.float32)
         xhat = x
-        xn = x.to(COMPUTE_DTYPE)
+        xn = _round(x, COMPUTE_DTYPE, INTERPRETER)
     dy = tl.load(
         DY + rows64[:, None] * stride_dy + cols[None, :], mask=io_mask, other=0.0
     ).to(tl.float32)
     if HAS_MASK:
         row_mask = tl.load(MASK + rows, mask=row_ok, other=0.0).to(tl.float32)
         dy = dy * row_mask[:, None]
-    return xn, xhat, rstd, dy.to(COMPUTE_DTYPE)
+    return xn, xhat, rstd, _round(dy, COMPUTE_DTYPE, INTERPRETER)
 
 
 def bwd_input_configs() -> list[triton.Config]:
@@ -115,7 +117,7 @@ def _swiglu_transition_bwd_input_kernel(
     LN_GRAD: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    WIDEN_BF16: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -127,7 +129,7 @@ def _swiglu_transition_bwd_input_kernel(
     col_ok = cols < C
     xn, xhat, rstd, dy = _recompute_rows(
         X, LN_W, LN_B, MEAN, RSTD, DY, MASK, rows, cols, row_ok, col_ok,
-        stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty,
+        stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty, INTERPRETER,
     )  # fmt: skip
 
     dxn = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
@@ -137,14 +139,14 @@ def _swiglu_transition_bwd_input_kernel(
         w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
         w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
-        a = _mm(xn, w_a, None, INPUT_PRECISION, WIDEN_BF16)
-        b = _mm(xn, w_b, None, INPUT_PRECISION, WIDEN_BF16)
-        dh = _mm(dy, w_out, None, INPUT_PRECISION, WIDEN_BF16)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
+        dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
         sig = _sigmoid(a, FAST_SIGMOID)
-        db = (dh * a * sig).to(xn.dtype)
-        da = (dh * b * sig * (1.0 + a * (1.0 - sig))).to(xn.dtype)
-        dxn = _mm(da, tl.trans(w_a), dxn, INPUT_PRECISION, WIDEN_BF16)
-        dxn = _mm(db, tl.trans(w_b), dxn, INPUT_PRECISION, WIDEN_BF16)
+        db = _round(dh * a * sig, xn.dtype, INTERPRETER)
+        da = _round(dh * b * sig * (1.0 + a * (1.0 - sig)), xn.dtype, INTERPRETER)
+        dxn = _mm(da, tl.trans(w_a), dxn, INPUT_PRECISION, INTERPRETER)
+        dxn = _mm(db, tl.trans(w_b), dxn, INPUT_PRECISION, INTERPRETER)
 
     if NORMALIZE:
         if LN_GRAD:
@@ -162,7 +164,7 @@ def _swiglu_transition_bwd_input_kernel(
         rows64 = rows.to(tl.int64)
         tl.store(
             DX + rows64[:, None] * stride_dx + cols[None, :],
-            dx.to(DX.dtype.element_ty),
+            _round(dx, DX.dtype.element_ty, INTERPRETER),
             mask=row_ok[:, None] & col_ok[None, :],
         )
 
@@ -203,7 +205,7 @@ def _swiglu_transition_bwd_weight_kernel(
     NEED_DW_OUT: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    WIDEN_BF16: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -229,21 +231,21 @@ def _swiglu_transition_bwd_weight_kernel(
         row_ok = rows < M
         xn, xhat, rstd, dy = _recompute_rows(
             X, LN_W, LN_B, MEAN, RSTD, DY, MASK, rows, cols, row_ok, col_ok,
-            stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty,
+            stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty, INTERPRETER,
         )  # fmt: skip
-        a = _mm(xn, w_a, None, INPUT_PRECISION, WIDEN_BF16)
-        b = _mm(xn, w_b, None, INPUT_PRECISION, WIDEN_BF16)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
         sig = _sigmoid(a, FAST_SIGMOID)
         silu = a * sig
         if NEED_DW_OUT:
-            h = (silu * b).to(xn.dtype)
-            dw_out = _mm(tl.trans(dy), h, dw_out, INPUT_PRECISION, WIDEN_BF16)
+            h = _round(silu * b, xn.dtype, INTERPRETER)
+            dw_out = _mm(tl.trans(dy), h, dw_out, INPUT_PRECISION, INTERPRETER)
         if NEED_DW_AB:
-            dh = _mm(dy, w_out, None, INPUT_PRECISION, WIDEN_BF16)
-            db = (dh * silu).to(xn.dtype)
-            da = (dh * b * sig * (1.0 + a * (1.0 - sig))).to(xn.dtype)
-            dw_a = _mm(tl.trans(da), xn, dw_a, INPUT_PRECISION, WIDEN_BF16)
-            dw_b = _mm(tl.trans(db), xn, dw_b, INPUT_PRECISION, WIDEN_BF16)
+            dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
+            db = _round(dh * silu, xn.dtype, INTERPRETER)
+            da = _round(dh * b * sig * (1.0 + a * (1.0 - sig)), xn.dtype, INTERPRETER)
+            dw_a = _mm(tl.trans(da), xn, dw_a, INPUT_PRECISION, INTERPRETER)
+            dw_b = _mm(tl.trans(db), xn, dw_b, INPUT_PRECISION, INTERPRETER)
 
     part_hc = split * H * C + hid[:, None] * C + cols[None, :]
     mask_hc = h_ok[:, None] & col_ok[None, :]

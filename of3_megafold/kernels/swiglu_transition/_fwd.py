@@ -43,16 +43,29 @@ def _sigmoid(a, FAST_SIGMOID: tl.constexpr):
         return 1.0 / (1.0 + tl.exp(-a))
 
 
+# The Triton interpreter (TRITON_INTERPRET=1, used by the CPU tests) gets bf16 wrong
+# in two ways (triton 3.9 ``runtime/interpreter.py``): ``create_dot`` multiplies the
+# raw uint16 bit patterns, and fp32 -> bf16 conversion truncates instead of rounding
+# to nearest even. With ``INTERPRETER`` set, ``_mm`` widens bf16 operands to fp32
+# (exact) and ``_round`` rounds to nearest even with integer arithmetic before the
+# (then exact) conversion, so the interpreter computes what the GPU computes.
 @triton.jit
-def _mm(a, b, acc, INPUT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr):
-    """``tl.dot(a, b, acc)``. The Triton interpreter multiplies bf16 operands as
-    their raw uint16 bit patterns (triton 3.9 ``InterpreterBuilder.create_dot``), so
-    under the interpreter bf16 operands are widened to fp32 first: exact, as every
-    bf16 is an fp32, and the products are accumulated in fp32 either way."""
-    if WIDEN_BF16:
+def _mm(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER: tl.constexpr):
+    """``tl.dot(a, b, acc)`` with fp32 accumulation."""
+    if INTERPRETER and a.dtype == tl.bfloat16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (round to nearest even)."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -117,7 +130,7 @@ def _swiglu_transition_fwd_kernel(
     HAS_MASK: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    WIDEN_BF16: tl.constexpr,
+    INTERPRETER: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -143,7 +156,7 @@ def _swiglu_transition_fwd_kernel(
         ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = xc * rstd[:, None] * ln_w[None, :] + ln_b[None, :]
     # OF3 rounds the LayerNorm output to the compute dtype before the matmuls.
-    xn = x.to(W_A.dtype.element_ty)
+    xn = _round(x, W_A.dtype.element_ty, INTERPRETER)
 
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k in range(0, H, BLOCK_H):
@@ -151,17 +164,17 @@ def _swiglu_transition_fwd_kernel(
         h_ok = hid < H
         w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
         w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
-        a = _mm(xn, w_a, None, INPUT_PRECISION, WIDEN_BF16)
-        b = _mm(xn, w_b, None, INPUT_PRECISION, WIDEN_BF16)
-        h = (a * _sigmoid(a, FAST_SIGMOID) * b).to(xn.dtype)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
+        h = _round(a * _sigmoid(a, FAST_SIGMOID) * b, xn.dtype, INTERPRETER)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
-        acc = _mm(h, tl.trans(w_out), acc, INPUT_PRECISION, WIDEN_BF16)
+        acc = _mm(h, tl.trans(w_out), acc, INPUT_PRECISION, INTERPRETER)
 
     if HAS_MASK:
         row_mask = tl.load(MASK + rows, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * row_mask[:, None]
     tl.store(
         Y + rows64[:, None] * stride_y + cols[None, :],
-        acc.to(Y.dtype.element_ty),
+        _round(acc, Y.dtype.element_ty, INTERPRETER),
         mask=io_mask,
     )

@@ -67,7 +67,7 @@ def _kernel_flags(compute_dtype: torch.dtype) -> dict:
     return {
         "INPUT_PRECISION": precision,
         "FAST_SIGMOID": compute_dtype != torch.float32 and not interpret,
-        "WIDEN_BF16": compute_dtype == torch.bfloat16 and interpret,
+        "INTERPRETER": interpret,
     }
 
 
@@ -168,7 +168,7 @@ def swiglu_transition_bwd(
     mask_ = mask if mask is not None else x
     dx = dln_w = dln_b = dw_a = dw_b = dw_out = None
 
-    if (need_dx or need_dln) and m > 0:
+    if need_dx or need_dln:
         dx = torch.empty_like(x) if need_dx else None
         parts = triton.cdiv(m, MIN_BWD_INPUT_BLOCK_M) if need_dln else 1
         dln_w_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
@@ -177,24 +177,21 @@ def swiglu_transition_bwd(
         def grid_input(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]),)
 
-        _swiglu_transition_bwd_input_kernel[grid_input](
-            x, ln_w, ln_b, w_a, w_b, w_out, mask_, dy, mean_, rstd_,
-            dx if need_dx else x, dln_w_part, dln_b_part,
-            m, c, h, x.stride(0), dy.stride(0), dx.stride(0) if need_dx else 0,
-            STORE_DX=need_dx, LN_GRAD=need_dln, **common,
-        )  # fmt: skip
+        if m > 0:
+            _swiglu_transition_bwd_input_kernel[grid_input](
+                x, ln_w, ln_b, w_a, w_b, w_out, mask_, dy, mean_, rstd_,
+                dx if need_dx else x, dln_w_part, dln_b_part,
+                m, c, h, x.stride(0), dy.stride(0), dx.stride(0) if need_dx else 0,
+                STORE_DX=need_dx, LN_GRAD=need_dln, **common,
+            )  # fmt: skip
         if need_dln:
             dln_w = dln_w_part.sum(0)
             dln_b = dln_b_part.sum(0)
-    elif need_dx:
-        dx = torch.zeros_like(x)
 
     if need_dw_ab or need_dw_out:
         num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
         splits = max(
-            _weight_splits(
-                m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms
-            )
+            _weight_splits(m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms)
             for cfg in bwd_weight_configs()
         )
         shape_hc = (splits, h, c) if need_dw_ab else (1, 1, 1)
@@ -275,9 +272,7 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd = (
-            ctx.saved_tensors
-        )
+        x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dln_w, dln_b, dw_a, dw_b, dw_out = swiglu_transition_bwd(
             _rows(dy), x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd,

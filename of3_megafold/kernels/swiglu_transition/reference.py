@@ -75,10 +75,7 @@ def swiglu_transition_reference(
     if upcast and x.dtype != torch.float64:
         x = x.float()
     dtype = x.dtype
-    if normalize:
-        xn = _layer_norm(x, ln_weight, ln_bias, eps)
-    else:
-        xn = x
+    xn = _layer_norm(x, ln_weight, ln_bias, eps) if normalize else x
     h = F.silu(F.linear(xn, w_a.to(dtype))) * F.linear(xn, w_b.to(dtype))
     y = F.linear(h, w_out.to(dtype))
     if mask is not None:
