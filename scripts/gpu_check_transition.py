@@ -1,0 +1,197 @@
+"""Quick GPU check of the fused SwiGLU transition: correctness, then timing.
+
+Usage (on the GPU machine, from the repository root)::
+
+    python scripts/gpu_check_transition.py            # checks + pair N=768 timing
+    python scripts/gpu_check_transition.py --n 1024   # another pair size
+
+Correctness: forward and every gradient against an fp64 reference, for bf16, fp16
+and fp32 at c in {64, 128}, with the tests' rule (error <= 2 x plain torch's error
+in the same dtype + a floor). Timing: each kernel alone (with the autotuned config
+and its useful TFLOP/s), the kit's forward + backward, OF3's eager module, and the
+peak memory of one forward + backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
+    swiglu_transition,
+    swiglu_transition_bwd,
+    swiglu_transition_fwd,
+    swiglu_transition_reference,
+)
+from of3_megafold.kernels.swiglu_transition._bwd import (  # noqa: E402
+    _swiglu_transition_bwd_input_kernel,
+    _swiglu_transition_bwd_weight_kernel,
+)
+from of3_megafold.kernels.swiglu_transition._fwd import (  # noqa: E402
+    _swiglu_transition_fwd_kernel,
+)
+
+FLOORS = {
+    torch.float32: (2e-6, 1e-5),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (2e-3, 5e-3),
+}
+DEVICE = "cuda"
+NAMES = ("y", "dx", "dln_w", "dln_b", "dw_a", "dw_b", "dw_out")
+
+
+def make(m, c, n, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    h = n * c
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device=DEVICE, dtype=torch.float64)
+
+    x = (randn(m, c) * 2 + 0.5).to(dtype)
+    params = [
+        1 + 0.2 * randn(c),
+        0.2 * randn(c),
+        randn(h, c) * (2 / c) ** 0.5,
+        randn(h, c) * (2 / c) ** 0.5,
+        randn(c, h) * (1 / h) ** 0.5,
+    ]
+    params = [p.float() for p in params]
+    mask = (torch.rand(m, generator=gen, device=DEVICE) > 0.2).float()
+    dy = randn(m, c)
+    return x, params, mask, dy
+
+
+def outputs(fn, x, params, mask, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *params)]
+    y = fn(*leaves, mask=mask)
+    y.backward(dy.to(y.dtype))
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def check(m, c, n, dtype) -> bool:
+    x, params, mask, dy = make(m, c, n, dtype)
+    got = outputs(swiglu_transition, x, params, mask, dy)
+    plain = outputs(swiglu_transition_reference, x, params, mask, dy)
+    exact = outputs(
+        swiglu_transition_reference,
+        x.double(),
+        [p.double() for p in params],
+        mask.double(),
+        dy,
+    )
+    ok = True
+    cells = []
+    for i, (name, g, t, r) in enumerate(zip(NAMES, got, plain, exact, strict=True)):
+        scale = r.abs().max().item()
+        err = (g.double() - r).abs().max().item()
+        terr = (t.double() - r).abs().max().item()
+        tol = 2 * terr + FLOORS[dtype][min(i, 1)] * scale
+        ok &= err <= tol
+        cells.append(f"{name} {err / scale:.1e}/{terr / scale:.1e}")
+    dt = str(dtype).removeprefix("torch.")
+    print(f"{'PASS' if ok else 'FAIL'} M={m} c={c} n={n} {dt:8} | " + " ".join(cells))
+    return ok
+
+
+def bench(fn, grad_to_none=None):
+    return triton.testing.do_bench(
+        fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"
+    )
+
+
+def peak_mib(fn):
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def timing(n_res: int) -> None:
+    from openfold3.core.model.layers.transition import SwiGLUTransition
+
+    c, n = 128, 4
+    h = n * c
+    shape = (1, n_res, n_res, c)
+    m = n_res * n_res
+    x, params, mask, dy = make(m, c, n, torch.bfloat16, seed=1)
+    dy = dy.bfloat16()
+    w16 = [p.bfloat16().contiguous() for p in params[2:]]
+    gemm = 2 * m * c * h  # flops of one [M, c] x [c, H] GEMM
+
+    y, mean, rstd = swiglu_transition_fwd(x, *params[:2], *w16, mask, 1e-5)
+    rows = []
+    t = bench(lambda: swiglu_transition_fwd(x, *params[:2], *w16, mask, 1e-5))
+    rows.append(("fwd kernel", t, 3 * gemm, _swiglu_transition_fwd_kernel))
+
+    def bwd(**need):
+        return swiglu_transition_bwd(dy, x, *params[:2], *w16, mask, mean, rstd, **need)
+
+    t = bench(lambda: bwd(need_dw_ab=False, need_dw_out=False))
+    rows.append(("bwd input kernel", t, 5 * gemm, _swiglu_transition_bwd_input_kernel))
+    t = bench(lambda: bwd(need_dx=False, need_dln=False))
+    rows.append(
+        ("bwd weight kernel", t, 6 * gemm, _swiglu_transition_bwd_weight_kernel)
+    )
+    print(f"\npair transition x {list(shape)} bf16; TFLOP/s = matmul flops executed")
+    for name, t, flops, kernel in rows:
+        cfg = getattr(kernel, "best_config", None)
+        print(f"  {name:18} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s  {cfg}")
+
+    module = SwiGLUTransition(c_in=c, n=n).cuda()
+    with torch.no_grad():
+        for p, q in zip(module.parameters(), params, strict=True):
+            p.copy_(q)
+    xs = x.view(shape).detach().requires_grad_()
+    ms = mask.view(shape[:-1]).bfloat16()
+    dys = dy.view(shape)
+    leaves = [xs, *module.parameters()]
+
+    def clear():
+        for t_ in leaves:
+            t_.grad = None
+
+    def kit_step():
+        swiglu_transition(xs, *module.parameters(), mask=ms).backward(dys)
+        clear()
+
+    def eager_step():
+        module(xs, mask=ms).backward(dys)
+        clear()
+
+    print("  fwd+bwd (9 GEMMs of useful work):")
+    for name, step in (("kit", kit_step), ("of3-eager", eager_step)):
+        t = bench(step)
+        mib = peak_mib(step)
+        print(
+            f"  {name:18} {t:7.3f} ms {9 * gemm / t / 1e9:6.0f} TFLOP/s {mib:7.0f} MiB"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=768, help="pair size N")
+    parser.add_argument("--no-check", action="store_true")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
+          triton.__version__)  # fmt: skip
+    ok = True
+    if not args.no_check:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for m, c, n in ((4099, 128, 4), (3001, 64, 2), (1000, 64, 4)):
+                ok &= check(m, c, n, dtype)
+    timing(args.n)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
