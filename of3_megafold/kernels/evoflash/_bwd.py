@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
+    _cast,
     _dot,
     _load_bias_log2,
     _load_key_mask,
@@ -87,11 +88,11 @@ def _dkdv_query_block(
     if COL_MASK:
         s2_t += key_mask[:, None]
     p_t = tl.math.exp2(s2_t - lse[None, :])
-    do = (do.to(tl.float32) * r[:, None]).to(do.dtype)
-    dv = _dot(p_t.to(do.dtype), do, dv, HIGH_PRECISION)
+    do = _cast(do.to(tl.float32) * r[:, None], do.dtype)
+    dv = _dot(_cast(p_t, do.dtype), do, dv, HIGH_PRECISION)
     dp_t = _dot(v, tl.trans(do), None, HIGH_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = _dot(ds_t.to(q.dtype), q, dk, HIGH_PRECISION)
+    dk = _dot(_cast(ds_t, q.dtype), q, dk, HIGH_PRECISION)
     return dk, dv
 
 
@@ -181,15 +182,15 @@ def _evoflash_bwd_dkdv_kernel(
     g_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
     DK0 = _row_ptr(DK, b, s0, h, stride_gb, stride_gs, stride_gh)
     DV0 = _row_ptr(DV, b, s0, h, stride_gb, stride_gs, stride_gh)
-    tl.store(DK0 + g_ptrs, (dk0 * sm_scale).to(DK.dtype.element_ty), mask=g_mask)
-    tl.store(DV0 + g_ptrs, dv0.to(DV.dtype.element_ty), mask=g_mask)
+    tl.store(DK0 + g_ptrs, _cast(dk0 * sm_scale, DK.dtype.element_ty), mask=g_mask)
+    tl.store(DV0 + g_ptrs, _cast(dv0, DV.dtype.element_ty), mask=g_mask)
     if S_GROUP == 2:
         n1 = tl.where(s0 + 1 < S, N, 0)  # the slice past S is not stored
         g_mask = (offs_n[:, None] < n1) & (offs_d[None, :] < D)
         DK1 = _row_ptr(DK, b, s1, h, stride_gb, stride_gs, stride_gh)
         DV1 = _row_ptr(DV, b, s1, h, stride_gb, stride_gs, stride_gh)
-        tl.store(DK1 + g_ptrs, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=g_mask)
-        tl.store(DV1 + g_ptrs, dv1.to(DV.dtype.element_ty), mask=g_mask)
+        tl.store(DK1 + g_ptrs, _cast(dk1 * sm_scale, DK.dtype.element_ty), mask=g_mask)
+        tl.store(DV1 + g_ptrs, _cast(dv1, DV.dtype.element_ty), mask=g_mask)
 
 
 @triton.jit
@@ -233,9 +234,9 @@ def _dq_key_block(
     if STORE_DS:
         db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
         inside = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
-        tl.store(db_ptrs, ds.to(DB_row.dtype.element_ty), mask=inside)
+        tl.store(db_ptrs, _cast(ds, DB_row.dtype.element_ty), mask=inside)
     if COMPUTE_DQ:
-        dq = _dot(ds.to(k_t.dtype), tl.trans(k_t), dq, HIGH_PRECISION)
+        dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), dq, HIGH_PRECISION)
     return dq
 
 
@@ -335,11 +336,11 @@ def _evoflash_bwd_dq_kernel(
         g_ptrs = offs_m[:, None] * stride_gn + offs_d[None, :]
         g_mask = (offs_m[:, None] < N) & (offs_d[None, :] < D)
         DQ0 = _row_ptr(DQ, b, s0, h, stride_gb, stride_gs, stride_gh)
-        tl.store(DQ0 + g_ptrs, (dq0 * sm_scale).to(DQ.dtype.element_ty), mask=g_mask)
+        tl.store(DQ0 + g_ptrs, _cast(dq0 * sm_scale, DQ.dtype.element_ty), mask=g_mask)
         if S_GROUP == 2:
             DQ1 = _row_ptr(DQ, b, s1, h, stride_gb, stride_gs, stride_gh)
             n1 = tl.where(s0 + 1 < S, N, 0)  # the slice past S is not stored
-            tl.store(DQ1 + g_ptrs, (dq1 * sm_scale).to(DQ.dtype.element_ty),
+            tl.store(DQ1 + g_ptrs, _cast(dq1 * sm_scale, DQ.dtype.element_ty),
                      mask=(offs_m[:, None] < n1) & (offs_d[None, :] < D))
 
 
@@ -407,7 +408,7 @@ def _evoflash_bwd_dbias_kernel(
                        PAD_D, HIGH_PRECISION)
         dbias += ds
         if FUSE_DQ:
-            dq = _dot(ds.to(k_t.dtype), tl.trans(k_t), None, HIGH_PRECISION) * sm_scale
+            dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, HIGH_PRECISION) * sm_scale
             dq_ptrs = (_row_ptr(DQ_ACC, b, s, h, stride_gb, stride_gs, stride_gh)
                        + offs_m[:, None] * stride_gn + offs_d[None, :])
             tl.atomic_add(dq_ptrs, dq,
@@ -417,5 +418,5 @@ def _evoflash_bwd_dbias_kernel(
     db_ptrs = (DBIAS_PART + split.to(tl.int64) * stride_dbp
                + b.to(tl.int64) * stride_dbb + h.to(tl.int64) * stride_dbh
                + offs_m[:, None] * stride_dbi + offs_n[None, :])
-    tl.store(db_ptrs, dbias.to(DBIAS_PART.dtype.element_ty),
+    tl.store(db_ptrs, _cast(dbias, DBIAS_PART.dtype.element_ty),
              mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))

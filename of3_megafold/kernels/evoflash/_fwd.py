@@ -16,7 +16,7 @@ rounds back to ``m`` and ``r = 1 / l`` carries the normalisation the backward ne
 import triton
 import triton.language as tl
 
-from ._tiles import _dot, _load_bias_log2, _load_key_mask, _load_tile, _row_ptr, _stat_ptr
+from ._tiles import _cast, _dot, _load_bias_log2, _load_key_mask, _load_tile, _row_ptr, _stat_ptr
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _fwd_key_block(
     p = tl.math.exp2(s2 - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], HIGH_PRECISION)
+    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], HIGH_PRECISION)
     return acc, m_new, l_i
 
 
@@ -60,7 +60,7 @@ def _fwd_store(
     o = acc / l_i[:, None]
     rows_ok = offs_m < n_rows
     o_ptrs = O_row + offs_m[:, None] * stride_on + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O_row.dtype.element_ty),
+    tl.store(o_ptrs, _cast(o, O_row.dtype.element_ty),
              mask=rows_ok[:, None] & (offs_d[None, :] < D))
     tl.store(LSE_row + offs_m, lse, mask=rows_ok)
     tl.store(R_row + offs_m, r, mask=rows_ok)

@@ -10,21 +10,49 @@ Conventions used by every kernel of the op:
 * head dims that are not a power of two >= 16 are zero padded by masked loads.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 
 
-@triton.jit
-def _dot(a, b, acc, HIGH_PRECISION: tl.constexpr):
-    """``acc + a @ b``; fp32 ieee dots in high precision, else the inputs' own
-    tensor-core precision (bf16/fp16, or tf32 for fp32 inputs)."""
-    if HIGH_PRECISION:
-        out = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        out = tl.dot(a, b, acc)
-    return out
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def _dot(a, b, acc, HIGH_PRECISION: tl.constexpr):
+        # The interpreter (Triton 3.9) multiplies bf16 bit patterns as integers.
+        # Upcasting first computes what the tensor cores do: exact products of
+        # the rounded inputs, accumulated in fp32.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc,
+                      input_precision="ieee")
+
+    @triton.jit
+    def _cast(x, dtype: tl.constexpr):
+        # The interpreter truncates fp32 -> bf16; the GPU rounds to nearest even.
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+else:
+
+    @triton.jit
+    def _cast(x, dtype: tl.constexpr):
+        """``x.to(dtype)``, rounding to nearest even as the GPU does."""
+        return x.to(dtype)
+
+    @triton.jit
+    def _dot(a, b, acc, HIGH_PRECISION: tl.constexpr):
+        """``acc + a @ b``; fp32 ieee dots in high precision, else the inputs' own
+        tensor-core precision (bf16/fp16, or tf32 for fp32 inputs)."""
+        if HIGH_PRECISION:
+            out = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc)
+        return out
 
 
 @triton.jit

@@ -1,0 +1,289 @@
+"""EvoFlash-3D against a float64 reference: forward and every gradient.
+
+On CPU the kernels run under the Triton interpreter at small sizes (block 16, two
+S slices per program, see ``configs.INTERPRETER_CONFIGS``); the ``gpu`` cases use
+the tuned kernels at OF3's call-site shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from of3_megafold.kernels.evoflash import (
+    configs,
+    evoflash_attention,
+    evoflash_attention_reference,
+)
+from of3_megafold.kernels.evoflash.tolerances import FACTOR, FLOOR
+
+INF = 1e9  # OF3's mask value
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    S: int
+    N: int
+    H: int
+    D: int
+    dtype: torch.dtype = torch.float32
+    mask: str = "padded"  # none | padded (random keys and whole slices masked)
+    bias: str = "shared"  # none | shared [B,1,H,N,N] | per_s [B,S,H,N,N]
+    #                       | permuted (a [B,1,N,N,H] view) | batch1 [1,1,H,N,N]
+    bias_dtype: torch.dtype | None = None  # default: the input dtype
+    high_precision: bool = False
+    fused_qkv: bool = False  # q, k, v as slices of one [.., 3D] tensor
+
+    def __str__(self):
+        dt = str(self.dtype).removeprefix("torch.")
+        hp = "-hp" if self.high_precision else ""
+        fused = "-fused" if self.fused_qkv else ""
+        bdt = f"-{str(self.bias_dtype).removeprefix('torch.')}" if self.bias_dtype else ""
+        return (f"B{self.B}S{self.S}N{self.N}H{self.H}D{self.D}-{dt}{hp}"
+                f"-mask_{self.mask}-bias_{self.bias}{bdt}{fused}")
+
+
+def make_inputs(case: Case, device: str, seed: int):
+    """Random q, k, v, mask bias, pair bias and output gradient (never zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, S, N, H, D = case.B, case.S, case.N, case.H, case.D
+
+    def randn(*shape, dtype=case.dtype):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    if case.fused_qkv:
+        qkv = randn(B, S, N, H, 3 * D)
+        q, k, v = (t.detach().requires_grad_() for t in qkv.split(D, dim=-1))
+    else:
+        q, k, v = (randn(B, S, N, H, D).requires_grad_() for _ in range(3))
+
+    mask_bias = None
+    if case.mask == "padded":
+        keep = (torch.rand(B, S, N, generator=gen) > 0.25).float()
+        keep[..., 0] = 1.0
+        if S > 1:
+            keep[:, 1] = 0.0  # every key of slice 1 masked: uniform weights
+        elif N > 1:
+            keep[..., N // 2:] = 0.0
+        mask_bias = (INF * (keep - 1.0))[:, :, None, None, :].to(device=device,
+                                                                 dtype=case.dtype)
+
+    bias_dtype = case.bias_dtype or case.dtype
+    pair_bias = None
+    if case.bias == "shared":
+        pair_bias = randn(B, 1, H, N, N, dtype=bias_dtype)
+    elif case.bias == "per_s":
+        pair_bias = randn(B, S, H, N, N, dtype=bias_dtype)
+    elif case.bias == "batch1":
+        pair_bias = randn(1, 1, H, N, N, dtype=bias_dtype)
+    elif case.bias == "permuted":
+        pair_bias = randn(B, 1, N, N, H, dtype=bias_dtype).permute(0, 1, 4, 2, 3)
+    if pair_bias is not None:
+        pair_bias.requires_grad_()
+    do = randn(B, S, N, H, D)
+    return q, k, v, mask_bias, pair_bias, do
+
+
+def _kind(case: Case) -> str:
+    if case.dtype == torch.bfloat16:
+        return "bf16"
+    if case.dtype == torch.float16:
+        return "fp16"
+    on_gpu = torch.cuda.is_available()
+    return "tf32" if on_gpu and not case.high_precision else "fp32"
+
+
+@contextlib.contextmanager
+def _torch_matmul_precision(tf32: bool):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _outputs(fn, q, k, v, mask_bias, pair_bias, do):
+    """Output and gradients (q, k, v, pair_bias) of ``fn``."""
+    o = fn(q, k, v, mask_bias, pair_bias)
+    leaves = [q, k, v] + ([pair_bias] if pair_bias is not None else [])
+    grads = torch.autograd.grad(o, leaves, do)
+    return [o.detach()] + list(grads)
+
+
+def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = True):
+    """Run ``case`` through the kernel, plain torch and the fp64 oracle; returns
+    rows (name, kernel error, torch error, allowed) and asserts each passes."""
+    q, k, v, mask_bias, pair_bias, do = make_inputs(case, device, seed)
+
+    def kernel(q, k, v, m, b):
+        return evoflash_attention(q, k, v, m, b, high_precision=case.high_precision,
+                                  deterministic=deterministic)
+
+    def plain(q, k, v, m, b):
+        return evoflash_attention_reference(q, k, v, m, b,
+                                            upcast=case.high_precision)
+
+    def oracle(q, k, v, m, b):
+        return evoflash_attention_reference(q, k, v, m, b)
+
+    kind = _kind(case)
+    got = _outputs(kernel, q, k, v, mask_bias, pair_bias, do)
+    with _torch_matmul_precision(kind == "tf32"):
+        base = _outputs(plain, q, k, v, mask_bias, pair_bias, do)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    bias64 = (pair_bias.detach().double().requires_grad_()
+              if pair_bias is not None else None)
+    want = _outputs(oracle, *leaves64, mask_bias, bias64, do.double())
+
+    names = ["o", "dq", "dk", "dv", "dbias"]
+    rows = []
+    for i, (name, g, b, w) in enumerate(zip(names, got, base, want, strict=False)):
+        assert g.shape == w.shape and g.dtype == b.dtype, name
+        assert torch.isfinite(g).all(), f"{case}: {name} not finite"
+        err = (g.double() - w).abs().max().item()
+        err_torch = (b.double() - w).abs().max().item()
+        floor = FLOOR[kind][0 if i == 0 else 1]
+        allowed = FACTOR * err_torch + floor * max(w.abs().max().item(), 1.0)
+        rows.append((name, err, err_torch, allowed))
+    bad = [r for r in rows if not r[1] <= r[3]]
+    assert not bad, f"{case}: " + "; ".join(
+        f"{n}: err {e:.3g} > allowed {a:.3g} (torch {t:.3g})" for n, e, t, a in bad)
+    return rows
+
+
+CPU_CASES = [
+    Case(1, 1, 1, 2, 8),
+    Case(1, 3, 16, 2, 32),
+    Case(1, 3, 17, 1, 24, torch.bfloat16),
+    Case(2, 1, 33, 2, 48, torch.bfloat16),
+    Case(1, 3, 33, 2, 8, bias="none"),
+    Case(1, 3, 17, 2, 48, torch.bfloat16, high_precision=True),
+    Case(1, 3, 17, 2, 24, bias="per_s"),
+    Case(1, 3, 16, 2, 32, torch.bfloat16, mask="none", bias="permuted",
+         bias_dtype=torch.float32),
+    Case(2, 3, 17, 1, 32, bias="batch1", fused_qkv=True),
+    Case(1, 1, 1, 1, 24, torch.bfloat16),
+    Case(1, 1, 33, 2, 24, high_precision=True, mask="none"),
+    Case(1, 3, 16, 1, 48, mask="none", bias="none"),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_matches_fp64_reference(case, device):
+    check_case(case, device, seed=zlib.crc32(str(case).encode()))
+
+
+def test_atomic_dq_variant(device):
+    case = Case(1, 3, 33, 2, 24, torch.bfloat16)
+    check_case(case, device, seed=1, deterministic=False)
+
+
+def test_one_slice_per_program(device, monkeypatch):
+    """S_GROUP = 1 and unequal blocks (the interpreter default pairs slices)."""
+    cfgs = {name: {**c, "BLOCK_M": 32, "BLOCK_N": 16} for name, c in
+            configs.INTERPRETER_CONFIGS.items()}
+    for name in ("fwd", "dq", "dkdv"):
+        cfgs[name]["S_GROUP"] = 1
+    monkeypatch.setattr(configs, "INTERPRETER_CONFIGS", cfgs)
+    check_case(Case(1, 3, 33, 1, 32), device, seed=2)
+
+
+def test_fully_masked_slice_is_uniform(device):
+    """OF3's -1e9 mask: a query with every key masked averages V, and the
+    backward sends dS = P (dP - delta) through it as torch's softmax does."""
+    case = Case(1, 2, 17, 2, 16)
+    q, k, v, _, pair_bias, do = make_inputs(case, device, seed=3)
+    mask_bias = torch.zeros(1, 2, 1, 1, 17, device=device)
+    mask_bias[:, 1] = -INF
+    o = evoflash_attention(q, k, v, mask_bias, pair_bias)
+    torch.testing.assert_close(o[:, 1], v[:, 1].mean(dim=1, keepdim=True).expand_as(
+        o[:, 1]), atol=1e-5, rtol=1e-5)
+    dq = torch.autograd.grad(o, q, do)[0]
+    o_ref = evoflash_attention_reference(q, k, v, mask_bias, pair_bias)
+    dq_ref = torch.autograd.grad(o_ref, q, do)[0]
+    assert dq[:, 1].abs().max() > 1e-3  # not silently zeroed
+    torch.testing.assert_close(dq, dq_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("wanted", ["q", "kv", "bias", "q_bias"])
+def test_only_requested_gradients(wanted, device):
+    case = Case(1, 3, 17, 2, 24)
+    q, k, v, mask_bias, pair_bias, do = make_inputs(case, device, seed=4)
+    leaves = {"q": [q], "kv": [k, v], "bias": [pair_bias], "q_bias": [q, pair_bias]}
+    for t in (q, k, v, pair_bias):
+        t.requires_grad_(any(t is x for x in leaves[wanted]))
+    o = evoflash_attention(q, k, v, mask_bias, pair_bias)
+    got = torch.autograd.grad(o, leaves[wanted], do)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves[wanted]]
+    args = {id(t): t64 for t, t64 in zip(leaves[wanted], leaves64, strict=True)}
+    full = [args.get(id(t), t.detach().double()) for t in (q, k, v, pair_bias)]
+    o64 = evoflash_attention_reference(full[0], full[1], full[2], mask_bias, full[3])
+    want = torch.autograd.grad(o64, leaves64, do.double())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_mask_gets_no_gradient(device):
+    case = Case(1, 1, 16, 1, 16)
+    q, k, v, mask_bias, pair_bias, do = make_inputs(case, device, seed=5)
+    mask_bias.requires_grad_()
+    o = evoflash_attention(q, k, v, mask_bias, pair_bias)
+    (o * do).sum().backward()
+    assert mask_bias.grad is None and q.grad is not None
+
+
+def test_rejects_bad_shapes(device):
+    q = torch.randn(1, 2, 8, 2, 16, device=device)
+    with pytest.raises(ValueError, match="shapes differ"):
+        evoflash_attention(q, q[:, :1], q)
+    with pytest.raises(ValueError, match=r"\[N, N\]"):
+        evoflash_attention(q, q, q, pair_bias=torch.randn(1, 1, 2, 8, 4, device=device))
+
+
+# --- GPU: tuned kernels at larger and call-site shapes -----------------------------
+
+GPU_CASES = [
+    Case(1, 4, 129, 4, 32, torch.bfloat16),
+    Case(1, 48, 300, 4, 24, torch.bfloat16),
+    Case(1, 4, 300, 2, 48, torch.float32),
+    Case(1, 4, 129, 2, 64, torch.float16),
+    Case(1, 48, 129, 2, 32, torch.float32, high_precision=True),
+    Case(1, 4, 300, 2, 32, torch.bfloat16, bias="per_s"),
+    Case(1, 4, 129, 4, 32, torch.bfloat16, mask="none", bias="permuted",
+         bias_dtype=torch.float32),
+    # call sites: triangle attention, diffusion transformer, trunk single attention
+    Case(1, 256, 256, 4, 32, torch.bfloat16, bias="permuted"),
+    Case(1, 48, 384, 16, 48, torch.bfloat16),
+    Case(1, 1, 384, 16, 24, torch.bfloat16),
+    Case(1, 1, 384, 16, 24, torch.float32, high_precision=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_matches_fp64_reference(case, device):
+    check_case(case, device, seed=zlib.crc32(str(case).encode()))
+
+
+@pytest.mark.gpu
+def test_gpu_atomic_dq_variant(device):
+    check_case(Case(1, 64, 256, 4, 32, torch.bfloat16), device, seed=6,
+               deterministic=False)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_bitwise_reproducible(device):
+    case = Case(1, 64, 256, 4, 32, torch.bfloat16)
+    q, k, v, mask_bias, pair_bias, do = make_inputs(case, device, seed=7)
+    runs = []
+    for _ in range(2):
+        o = evoflash_attention(q, k, v, mask_bias, pair_bias)
+        runs.append(torch.autograd.grad(o, (q, k, v, pair_bias), do))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
