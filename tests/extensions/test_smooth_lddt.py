@@ -1,0 +1,116 @@
+"""The smooth lDDT extension inside OF3's diffusion loss, against OF3's dense path."""
+
+import copy
+
+import pytest
+import torch
+
+from of3_megafold import activate, deactivate, registry
+from of3_megafold.errors import KitConfigError
+
+
+@pytest.fixture
+def kit():
+    activate()
+    yield
+    activate()
+
+
+def _batch_and_x(n_sample=3, seed=0):
+    from openfold3.tests.test_diffusion_loss import TestDiffusionLoss
+
+    torch.manual_seed(seed)
+    batch = TestDiffusionLoss().setup_features()
+    # Spread the atoms so both cutoffs (15 A, 30 A for nucleotide rows) matter.
+    batch["ground_truth"]["atom_positions"] *= 12.0
+    truth = batch["ground_truth"]["atom_positions"]
+    x = truth.repeat(1, n_sample, 1, 1) + torch.randn(1, n_sample, truth.shape[-2], 3)
+    return batch, x.double().requires_grad_(True)
+
+
+def _diffusion_cfg(backend=None, chunk_size=None, **extra):
+    from openfold3.projects.of3_all_atom.project_entry import (
+        ModelUpdate,
+        OF3ProjectEntry,
+    )
+
+    custom = {
+        "architecture": {"loss_module": {"diffusion": {"chunk_size": chunk_size}}}
+    }
+    if backend is not None:
+        custom["architecture"]["loss_module"]["diffusion"].update(
+            smooth_lddt_backend=backend, **extra
+        )
+    config = OF3ProjectEntry().get_model_config_with_update(ModelUpdate(custom=custom))
+    return dict(config.architecture.loss_module.diffusion)
+
+
+def _loss(batch, x, cfg):
+    from openfold3.core.loss.loss_module import diffusion_loss
+
+    t = torch.full((1,), 4.0, dtype=x.dtype)
+    batch = copy.deepcopy(batch)
+    total, breakdown = diffusion_loss(batch=batch, x=x, t=t, **cfg)
+    (grad,) = torch.autograd.grad(total, x)
+    return total.detach(), breakdown["smooth_lddt_loss"].detach(), grad
+
+
+@pytest.mark.parametrize("backend", ["fused", "ball_query"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_backend_matches_dense_inside_diffusion_loss(kit, backend, chunk_size):
+    batch, x = _batch_and_x()
+    x32 = x.detach().float().requires_grad_(True)
+    dense = _loss(batch, x32, _diffusion_cfg(chunk_size=chunk_size))
+    # K = 64 >= every atom's in-radius count (55 atoms): ball_query is exact here.
+    extra = {"smooth_lddt_top_k": 64} if backend == "ball_query" else {}
+    kit_result = _loss(batch, x32, _diffusion_cfg(backend, chunk_size, **extra))
+    assert dense[1] > 0
+    torch.testing.assert_close(kit_result[1], dense[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kit_result[0], dense[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kit_result[2], dense[2], rtol=1e-4, atol=1e-6)
+
+
+def test_dense_backend_is_ofs_function(kit):
+    from openfold3.core.loss import diffusion
+
+    original = diffusion.smooth_lddt_loss.__wrapped__
+    batch, x = _batch_and_x()
+    mask = torch.ones_like(batch["is_protein"])
+    expected = original(x=x, batch=batch, loss_token_mask=mask, eps=1e-8)
+    got = diffusion.smooth_lddt_loss(x=x, batch=batch, loss_token_mask=mask, eps=1e-8)
+    assert torch.equal(got, expected)
+
+
+def test_forced_backend_applies_without_config(kit):
+    from openfold3.core.loss import diffusion
+
+    batch, x = _batch_and_x()
+    mask = torch.ones_like(batch["is_protein"])
+    x32 = x.detach().float()
+    dense = diffusion.smooth_lddt_loss(
+        x=x32, batch=batch, loss_token_mask=mask, eps=1e-8
+    )
+    activate(force=["smooth_lddt"])
+    assert registry.forced_variant("smooth_lddt") == "fused"
+    fused = diffusion.smooth_lddt_loss(
+        x=x32, batch=batch, loss_token_mask=mask, eps=1e-8
+    )
+    torch.testing.assert_close(fused, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_values_are_rejected(kit):
+    with pytest.raises(KitConfigError, match="'dense', 'ball_query', 'fused'"):
+        _diffusion_cfg("bal_query")
+    with pytest.raises(KitConfigError, match="smooth_lddt_top_k"):
+        _diffusion_cfg("ball_query", smooth_lddt_top_k=0)
+
+
+def test_deactivate_restores_ofs_functions():
+    from openfold3.core.loss import diffusion, loss_module
+
+    activate()
+    assert hasattr(diffusion.smooth_lddt_loss, "__wrapped__")
+    deactivate()
+    assert not hasattr(diffusion.smooth_lddt_loss, "__wrapped__")
+    assert not hasattr(loss_module.diffusion_loss, "__wrapped__")
+    activate()
