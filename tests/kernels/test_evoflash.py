@@ -43,7 +43,8 @@ class Case:
         dt = str(self.dtype).removeprefix("torch.")
         hp = "-hp" if self.high_precision else ""
         fused = "-fused" if self.fused_qkv else ""
-        bdt = f"-{str(self.bias_dtype).removeprefix('torch.')}" if self.bias_dtype else ""
+        bdt = str(self.bias_dtype).removeprefix("torch.") if self.bias_dtype else ""
+        bdt = f"-{bdt}" if bdt else ""
         return (f"B{self.B}S{self.S}N{self.N}H{self.H}D{self.D}-{dt}{hp}"
                 f"-mask_{self.mask}-bias_{self.bias}{bdt}{fused}")
 

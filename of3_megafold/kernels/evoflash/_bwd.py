@@ -39,7 +39,7 @@ from ._tiles import (
 
 @triton.jit
 def _evoflash_bwd_preprocess_kernel(
-    O, DO, RSCALE, DELTA,
+    OUT, DO, RSCALE, DELTA,
     stride_ob, stride_os, stride_on, stride_oh,
     stride_dob, stride_dos, stride_don, stride_doh,
     S, N, H, D,
@@ -53,7 +53,7 @@ def _evoflash_bwd_preprocess_kernel(
     b = pid_bsh // (H * S)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(_row_ptr(O, b, s, h, stride_ob, stride_os, stride_oh), offs_m,
+    o = _load_tile(_row_ptr(OUT, b, s, h, stride_ob, stride_os, stride_oh), offs_m,
                    offs_d, stride_on, N, D, False, True, False, True)
     do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh), offs_m,
                     offs_d, stride_don, N, D, False, True, False, True)
@@ -114,7 +114,7 @@ def _evoflash_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
-    tl.static_assert(S_GROUP == 1 or S_GROUP == 2)
+    tl.static_assert(S_GROUP <= 2)  # one or two S slices per program
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_sg = tl.cdiv(S, S_GROUP)
@@ -260,7 +260,7 @@ def _evoflash_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
-    tl.static_assert(S_GROUP == 1 or S_GROUP == 2)
+    tl.static_assert(S_GROUP <= 2)  # one or two S slices per program
     pid = tl.program_id(0)
     num_m = tl.cdiv(N, BLOCK_M)
     num_sg = tl.cdiv(S, S_GROUP)
@@ -397,7 +397,8 @@ def _evoflash_bwd_dbias_kernel(
         k_t = _load_tile(_row_ptr(K, b, s, h, stride_kb, stride_ks, stride_kh),
                          offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
                          HIGH_PRECISION)
-        lse = _load_rowstat(_stat_ptr(LSE, b, s, h, S, H, N), offs_m, N, float("inf"), EVEN_N)
+        lse = _load_rowstat(_stat_ptr(LSE, b, s, h, S, H, N), offs_m, N,
+                            float("inf"), EVEN_N)
         r = _load_rowstat(_stat_ptr(RSCALE, b, s, h, S, H, N), offs_m, N, 0.0, EVEN_N)
         delta = _load_rowstat(_stat_ptr(DELTA, b, s, h, S, H, N), offs_m, N, 0.0,
                               EVEN_N)
@@ -408,7 +409,8 @@ def _evoflash_bwd_dbias_kernel(
                        PAD_D, HIGH_PRECISION)
         dbias += ds
         if FUSE_DQ:
-            dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, HIGH_PRECISION) * sm_scale
+            dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, HIGH_PRECISION)
+            dq = dq * sm_scale
             dq_ptrs = (_row_ptr(DQ_ACC, b, s, h, stride_gb, stride_gs, stride_gh)
                        + offs_m[:, None] * stride_gn + offs_d[None, :])
             tl.atomic_add(dq_ptrs, dq,

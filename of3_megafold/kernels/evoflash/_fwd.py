@@ -16,7 +16,15 @@ rounds back to ``m`` and ``r = 1 / l`` carries the normalisation the backward ne
 import triton
 import triton.language as tl
 
-from ._tiles import _cast, _dot, _load_bias_log2, _load_key_mask, _load_tile, _row_ptr, _stat_ptr
+from ._tiles import (
+    _cast,
+    _dot,
+    _load_bias_log2,
+    _load_key_mask,
+    _load_tile,
+    _row_ptr,
+    _stat_ptr,
+)
 
 
 @triton.jit
@@ -68,7 +76,7 @@ def _fwd_store(
 
 @triton.jit
 def _evoflash_fwd_kernel(
-    Q, K, V, MASK, BIAS, O, LSE, RSCALE,
+    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE,
     qk_scale_log2,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
@@ -83,7 +91,7 @@ def _evoflash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
-    tl.static_assert(S_GROUP == 1 or S_GROUP == 2)
+    tl.static_assert(S_GROUP <= 2)  # one or two S slices per program
     # Program order: query block fastest, then S group, head, batch. The query
     # blocks of one S group share K/V; all programs of a head share its bias,
     # which stays in L2 while the head is processed.
@@ -141,11 +149,13 @@ def _evoflash_fwd_kernel(
                 qk_scale_log2, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
                 HIGH_PRECISION)
 
-    _fwd_store(acc0, m0, l0, _row_ptr(O, b, s0, h, stride_ob, stride_os, stride_oh),
+    _fwd_store(acc0, m0, l0,
+               _row_ptr(OUT, b, s0, h, stride_ob, stride_os, stride_oh),
                _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
                offs_m, offs_d, stride_on, N, D)
     if S_GROUP == 2:
-        _fwd_store(acc1, m1, l1, _row_ptr(O, b, s1, h, stride_ob, stride_os, stride_oh),
+        _fwd_store(acc1, m1, l1,
+                   _row_ptr(OUT, b, s1, h, stride_ob, stride_os, stride_oh),
                    _stat_ptr(LSE, b, s1, h, S, H, N),
                    _stat_ptr(RSCALE, b, s1, h, S, H, N),
                    offs_m, offs_d, stride_on, tl.where(s0 + 1 < S, N, 0), D)

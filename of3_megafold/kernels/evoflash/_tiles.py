@@ -95,7 +95,7 @@ def _load_tile(
         inside = (offs_r[:, None] < N) & (offs_d[None, :] < D)
     # Nested constexpr ifs rather than `and`/`not`: portable across Triton versions.
     if EVEN_N:
-        if PAD_D:
+        if PAD_D:  # noqa: SIM108 (constexpr branches)
             tile = tl.load(ptrs, mask=inside, other=0.0)
         else:
             tile = tl.load(ptrs)
@@ -158,7 +158,7 @@ def _load_bias_log2(
     else:
         ptrs = base + offs_i[:, None] * stride_bi + offs_j[None, :]
         inside = (offs_i[:, None] < N) & (offs_j[None, :] < N)
-    if EVEN_N:
+    if EVEN_N:  # noqa: SIM108
         tile = tl.load(ptrs)
     else:
         tile = tl.load(ptrs, mask=inside, other=0.0)

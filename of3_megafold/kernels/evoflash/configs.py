@@ -83,6 +83,10 @@ def s_bucket(s: int) -> int:
     return 256
 
 
+def _block_area(cfg) -> int:
+    return cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"]
+
+
 def prune_configs(configs, named_args, **kwargs):
     """Drop configurations that cannot pay off for this call: paired S slices
     when there is one slice or the bias has its own S axis, and blocks larger than
@@ -98,4 +102,4 @@ def prune_configs(configs, named_args, **kwargs):
         if kw["BLOCK_M"] > n_cap or kw["BLOCK_N"] > n_cap:
             continue
         kept.append(cfg)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return kept or [min(configs, key=_block_area)]

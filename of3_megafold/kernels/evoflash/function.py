@@ -157,7 +157,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
         Q=q, K=inp.k, V=inp.v,
         MASK=inp.mask if inp.mask is not None else q,
         BIAS=inp.bias if inp.bias is not None else q,
-        O=o, LSE=lse, RSCALE=r,
+        OUT=o, LSE=lse, RSCALE=r,
         qk_scale_log2=scale * LOG2E,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,

@@ -1,0 +1,152 @@
+"""Quick GPU check of EvoFlash-3D (attention with pair bias): correctness, then timing.
+
+Usage (on the GPU machine, from the repository root)::
+
+    python scripts/gpu_check_evoflash.py              # checks + timings (~2 min)
+    python scripts/gpu_check_evoflash.py --no-check   # timings only
+    python scripts/gpu_check_evoflash.py --sizes 1024 # triangle sizes to time
+
+Correctness: the key cases of the ``gpu`` tests (N = 129 and 300, S = 4 and 48, the
+three OF3 call-site shapes, fp32/tf32, bf16, fp16, high precision, the atomic dQ
+variant, bitwise reproducibility), with the tests' rule: error <= 2 x plain torch's
+error in the same precision + a small floor.
+
+Timing (``triton.testing.do_bench`` median, forward + backward, bf16): the kit
+(deterministic and atomic), SDPA memory-efficient with the bias expanded over S,
+OF3's Triton kernel; then each kit kernel's autotuning table (ms per config) at the
+shapes timed, which is what the config lists are tuned from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from of3_megafold.bench.attention_core import _forward_fn, _inputs  # noqa: E402
+from of3_megafold.kernels.evoflash import function as evoflash_function  # noqa: E402
+from tests.kernels.test_evoflash import GPU_CASES, Case, check_case  # noqa: E402
+
+TUNED = {"fwd": evoflash_function._fwd, "dq": evoflash_function._dq,
+         "dkdv": evoflash_function._dkdv, "dbias": evoflash_function._dbias}
+
+
+def run_checks() -> bool:
+    cases = [(c, True) for c in GPU_CASES] + [
+        (Case(1, 64, 256, 4, 32, torch.bfloat16), False),
+        (Case(1, 48, 384, 16, 48, torch.bfloat16), False),
+    ]
+    ok = True
+    print(f"{'case':58} {'det':>3}  " + "  ".join(f"{n:>17}" for n in
+                                                  ("o", "dq", "dk", "dv", "dbias")))
+    print(f"{'':58} {'':>3}  " + "  ".join(f"{'err/allowed':>17}" for _ in range(5)))
+    for case, det in cases:
+        try:
+            rows = check_case(case, "cuda", seed=0, deterministic=det)
+            status = "ok"
+        except AssertionError as err:
+            rows, status, ok = None, f"FAIL {err}", False
+        except Exception:  # noqa: BLE001 - report and go on with the other cases
+            rows, status, ok = None, "ERROR " + traceback.format_exc(limit=3), False
+        cells = ("  ".join(f"{e:8.2g}/{a:<8.2g}" for _, e, _, a in rows)
+                 if rows else status)
+        print(f"{str(case):58} {'yes' if det else 'no':>3}  {cells}", flush=True)
+    # bitwise reproducibility of the deterministic backward
+    case = Case(1, 64, 256, 4, 32, torch.bfloat16)
+    from tests.kernels.test_evoflash import make_inputs
+    q, k, v, m, b, do = make_inputs(case, "cuda", seed=7)
+    runs = []
+    for _ in range(2):
+        o = _forward_fn("kit")(q, k, v, m, b)
+        runs.append(torch.autograd.grad(o, (q, k, v, b), do))
+    same = all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
+    ok &= same
+    print(f"deterministic backward bitwise reproducible: {same}")
+    return ok
+
+
+def time_shape(name: str, shape, providers) -> None:
+    B, S, N, H, D = shape
+    flops = 3.5 * 4 * B * S * H * N * N * D
+    for provider in providers:
+        try:
+            q, k, v, m, b, do = _inputs(shape, "cuda", torch.bfloat16, torch.bfloat16)
+            fwd = _forward_fn(provider)
+            leaves = (q, k, v, b)
+
+            def step(fwd=fwd, q=q, k=k, v=v, m=m, b=b, do=do, leaves=leaves):
+                fwd(q, k, v, m, b).backward(do)
+                for t in leaves:
+                    t.grad = None
+
+            def forward_only(fwd=fwd, q=q, k=k, v=v, m=m, b=b):
+                with torch.no_grad():
+                    fwd(q, k, v, m, b)
+
+            for kernel in TUNED.values():
+                kernel.configs_timings = None
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            if provider.startswith("kit"):
+                print_tuning_tables()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+            ms = triton.testing.do_bench(step, return_mode="median")
+            ms_f = triton.testing.do_bench(forward_only, return_mode="median")
+            print(f"{name:10} {'x'.join(map(str, shape)):>16} {provider:14} "
+                  f"fwd {ms_f:8.3f} ms  fwd+bwd {ms:8.3f} ms  "
+                  f"{flops / ms / 1e9:6.1f} TFLOP/s  peak {peak:8.0f} MiB  "
+                  f"(first call {first:5.1f} s)", flush=True)
+        except torch.cuda.OutOfMemoryError:
+            print(f"{name:10} {'x'.join(map(str, shape)):>16} {provider:14} OOM")
+        except Exception as err:  # noqa: BLE001
+            print(f"{name:10} {'x'.join(map(str, shape)):>16} {provider:14} "
+                  f"ERROR {str(err).splitlines()[0][:150]}")
+        torch.cuda.empty_cache()
+
+
+def print_tuning_tables() -> None:
+    """The autotuning timings of the kernels tuned by the last call."""
+    for name, kernel in TUNED.items():
+        timings = getattr(kernel, "configs_timings", None)
+        if not timings:
+            continue
+        print(f"    tuned {name}: best {kernel.best_config}")
+        for cfg, t in sorted(timings.items(), key=lambda kv: kv[1][0]):
+            print(f"        {t[0]:8.3f} ms  {cfg}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[512, 1024])
+    parser.add_argument("--providers", nargs="*",
+                        default=["kit", "kit-atomic", "sdpa", "of3-triton"])
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
+          triton.__version__)
+    ok = True
+    if not args.no_check:
+        ok = run_checks()
+    for n in args.sizes:
+        time_shape("triangle", (1, n, n, 4, 32), args.providers)
+    for shape in ((1, 48, 768, 16, 48), (1, 1, 768, 16, 24)):
+        time_shape("diffusion" if shape[1] > 1 else "trunk", shape, args.providers)
+    print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
