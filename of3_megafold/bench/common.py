@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import importlib.metadata
 import json
 import math
@@ -106,7 +107,7 @@ def environment_metadata(device: torch.device | str | None = None) -> dict[str, 
     Returns a dict with ``gpu`` (device name), ``torch``, ``triton``, ``openfold3``,
     ``of3_megafold`` (versions; ``None`` if not installed), ``commit`` (git commit of
     the kit's checkout, ``None`` outside one) and ``date`` (UTC, ISO 8601), plus
-    ``cuda`` and ``python`` versions.
+    ``cuda`` and ``python`` versions and ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``).
     """
     from of3_megafold import __version__ as kit_version
 
@@ -122,6 +123,8 @@ def environment_metadata(device: torch.device | str | None = None) -> dict[str, 
         ),
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        # Allocator settings change peak memory and the largest crop that fits.
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
 
 
@@ -198,6 +201,51 @@ def timed_peak(
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return Timing(ms=statistics.median(times), peak_mib=None)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a CUDA allocation failure (recoverable: free and retry
+    smaller)."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    # cuBLAS reports a failed workspace allocation as a plain RuntimeError.
+    message = str(error)
+    return isinstance(error, RuntimeError) and (
+        "CUDA out of memory" in message or "CUBLAS_STATUS_ALLOC_FAILED" in message
+    )
+
+
+def free_device_memory() -> None:
+    """Collect garbage and hand cached CUDA blocks back to the driver.
+
+    Call it after the exception of an out-of-memory step is gone (outside the
+    ``except`` block): until then its traceback keeps the step's tensors alive.
+    """
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def count_kernel_launches(fn: Callable[[], Any]) -> int | None:
+    """Number of CUDA kernels one call of ``fn`` launches (memcpy and memset
+    excluded), counted with ``torch.profiler``; ``None`` without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    # Counting the raw Kineto events skips building the profiler's op tree, which
+    # takes minutes for a full training step.
+    return sum(
+        1
+        for event in prof.profiler.kineto_results.events()
+        if event.device_type() == DeviceType.CUDA
+        and not event.name().startswith(("Memcpy", "Memset"))
+    )
 
 
 def _json_default(value: Any) -> Any:

@@ -1,0 +1,109 @@
+"""The full-model training-step evidence on one GPU, in one run.
+
+    python scripts/gpu_step.py OUT.json [--providers stock,stock-triton,kit]
+        [--tokens 384,768] [--repeats 2] [--ladder 768,1024,1280,1536] [--no-max-crop]
+
+For each provider (default: ``stock``, ``stock-triton`` and, when the kit's registry
+offers it, ``kit`` = every available extension on): the full OF3 model (train
+preset, 368 M parameters, 48 diffusion samples, bf16 autocast) on a random batch
+with 1024 MSA rows and 4 templates, at 384 and 768 tokens (one warm-up step, then
+``--repeats`` timed steps; kernel launches counted in one profiled step at 384),
+then the largest trainable crop: one step per size on ``--ladder``, starting near
+the known limits (BASELINES.md table D: 768 stock, 1280 OF3 Triton) and walking up
+until out of memory (or down until a size fits).
+
+Time on an H200, from table D: stock ~2 min (384: 4 x 7.5 s, 768: 3 x 22.5 s, 1024
+runs out of memory), stock-triton ~3 min (384, 768, then 1280 at ~70 s and 1536
+out of memory); ``kit`` adds about as much again. Rows are appended to OUT.json as
+they are measured (an interrupted run keeps them); a compact table is printed at the
+end. The logic lives in :mod:`of3_megafold.bench.step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+# Start near the limits BASELINES.md table D found; skips ~1 min of probing.
+MAX_CROP_START = {"stock": 1024, "stock-triton": 1280, "kit": 1280}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out_json", type=Path, help="JSON file to append rows to")
+    parser.add_argument(
+        "--providers",
+        default=None,
+        help="comma-separated providers (default: stock,stock-triton[,kit])",
+    )
+    parser.add_argument("--tokens", type=_ints, default=[384, 768])
+    parser.add_argument("--launch-tokens", type=_ints, default=[384])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--ladder", type=_ints, default=[768, 1024, 1280, 1536])
+    parser.add_argument("--no-max-crop", action="store_true")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
+    import torch
+
+    from of3_megafold.bench.common import environment_metadata
+    from of3_megafold.bench.step import (
+        format_table,
+        kit_provider_updates,
+        run_step_bench,
+    )
+
+    if not torch.cuda.is_available():
+        print("gpu_step.py needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.providers:
+        providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    else:
+        providers = ["stock", "stock-triton"]
+        if "kit" in kit_provider_updates():
+            providers.append("kit")
+    meta = environment_metadata()
+    print(
+        f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | "
+        f"openfold3 {meta['openfold3']} | commit {meta['commit']}\n"
+        f"providers: {', '.join(providers)}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    rows = run_step_bench(
+        providers=providers,
+        tokens=args.tokens,
+        n_msa=1024,
+        n_templ=4,
+        config="full",
+        repeats=args.repeats,
+        warmup=args.warmup,
+        out_json=args.out_json,
+        max_crop=not args.no_max_crop,
+        max_crop_ladder=args.ladder,
+        max_crop_start=MAX_CROP_START,
+        launch_tokens=args.launch_tokens,
+    )
+    print(format_table(rows))
+    print(
+        f"{len(rows)} rows appended to {args.out_json} in "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""CPU smoke tests of the training-step benchmark (tiny config, no timing checks)."""
+
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from of3_megafold.bench import step
+from of3_megafold.bench.common import METADATA_FIELDS
+
+STEP_FIELDS = {
+    "provider",
+    "mode",
+    "config",
+    "n_token",
+    "n_atom",
+    "n_msa",
+    "n_templ",
+    "ms",
+    "peak_gib",
+    "launches",
+    "loss",
+    "recycles",
+    "oom",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two OpenMP threads on a 2-core machine shared with other jobs spin-wait into
+    # 10x slowdowns; one thread keeps the smoke test at a few seconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_registry(monkeypatch):
+    """Stock providers only, whatever the kit has registered by now."""
+    monkeypatch.setattr(step, "_registry_extensions", lambda: {})
+
+
+def _check_loss(loss):
+    assert set(loss) >= {"loss", "diffusion_loss", "smooth_lddt_loss", "mse_loss"}
+    assert all(math.isfinite(value) for value in loss.values())
+    assert loss["loss"] > 0
+    assert loss["diffusion_loss"] > 0
+
+
+def test_tiny_step_rows_are_written(tmp_path, no_registry):
+    out = tmp_path / "step.json"
+    rows = step.run_step_bench(
+        providers=["stock"],
+        tokens=[16],
+        n_msa=8,
+        n_templ=2,
+        config="tiny",
+        repeats=1,
+        warmup=0,
+        out_json=out,
+        device="cpu",
+    )
+    assert json.loads(out.read_text()) == rows
+    (row,) = rows
+    assert STEP_FIELDS | set(METADATA_FIELDS) <= set(row)
+    assert row["provider"] == "stock" and row["config"] == "tiny"
+    assert row["mode"] == "step" and row["oom"] is False
+    assert row["n_token"] == 16 and row["n_msa"] == 8 and row["n_templ"] == 2
+    assert row["ms"] > 0 and math.isfinite(row["ms"])
+    assert row["peak_gib"] is None and row["launches"] is None  # CPU
+    assert row["precision"] == "fp32"
+    # OF3's first training draw from its generator seeded with sync_seed 0.
+    assert row["recycles"] == 3
+    _check_loss(row["loss"])
+
+
+@pytest.fixture(scope="module")
+def tiny_harness():
+    harness = step.TrainingStepHarness("tiny", "stock", "cpu")
+    yield harness
+    harness.close()
+
+
+def test_steps_are_deterministic_and_recycles_can_be_fixed(tiny_harness):
+    harness = tiny_harness
+    batch = step.random_training_batch(16, 8, 2)
+    first = harness.step(batch)
+    second = harness.step(batch)
+    assert first.loss == second.loss
+    _check_loss(first.loss)
+    harness.num_recycles = 0
+    fixed = harness.step(batch)
+    assert fixed.recycles == 0
+    assert fixed.loss != first.loss
+    harness.num_recycles = 7
+    with pytest.raises(ValueError, match="outside OF3's range"):
+        harness.step(batch)
+    harness.num_recycles = None
+
+
+def test_disabled_losses_are_an_error(tiny_harness):
+    """Without the token-level ground truth OF3's alignment gives up and zeroes
+    every loss weight: the harness must refuse to report such a step."""
+    batch = step.random_training_batch(16, 8, 2)
+    for key in step.GROUND_TRUTH_TOKEN_KEYS:
+        del batch["ground_truth"][key]
+    with pytest.raises(step.LossesDisabledError, match="switched the losses off"):
+        tiny_harness.step(batch)
+
+
+def test_max_crop_stops_at_the_first_out_of_memory(tmp_path, monkeypatch, no_registry):
+    """One real step per size up to 24 tokens; from 32 tokens the step raises the
+    CUDA out-of-memory error, as it would on a GPU."""
+    real_step = step.TrainingStepHarness.step
+    probed = []
+
+    def step_with_memory_limit(self, batch):
+        n_token = batch["token_mask"].shape[-1]
+        probed.append(n_token)
+        if n_token >= 32:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(self, batch)
+
+    monkeypatch.setattr(step.TrainingStepHarness, "step", step_with_memory_limit)
+    rows = step.run_step_bench(
+        providers=["stock"],
+        tokens=[16],
+        n_msa=8,
+        n_templ=2,
+        config="tiny",
+        repeats=1,
+        warmup=0,
+        out_json=tmp_path / "step.json",
+        max_crop=True,
+        max_crop_ladder=[16, 24, 32, 48],
+        device="cpu",
+    )
+    assert probed == [16, 24, 32]
+    assert [(r["mode"], r["n_token"]) for r in rows] == [
+        ("step", 16),
+        ("max_crop_probe", 24),
+        ("max_crop_probe", 32),
+        ("max_crop", 24),
+    ]
+    assert rows[1]["oom"] is False and rows[2]["oom"] is True
+    assert rows[2]["ms"] is None
+    assert rows[3]["max_crop"] == 24
+    assert rows[3]["decided"] == {"16": True, "24": True, "32": False}
+
+
+@pytest.mark.parametrize(
+    ("limit", "start", "fits", "too_big", "expected", "probed"),
+    [
+        (1280, 1280, (), (), 1280, [1280, 1536]),
+        (1280, 1536, (), (), 1280, [1536, 1280]),
+        (768, 1024, (768,), (), 768, [1024]),
+        (1280, 1024, (768,), (), 1280, [1024, 1280, 1536]),
+        (1024, 1024, (), (1280,), 1024, [1024]),
+        (200, 768, (), (), None, [768, 512, 384]),
+        (4096, 1792, (), (), 2048, [1792, 2048]),
+    ],
+)
+def test_search_max_crop(limit, start, fits, too_big, expected, probed):
+    calls = []
+
+    def probe(size):
+        calls.append(size)
+        return size <= limit
+
+    largest, decided = step._search_max_crop(
+        probe, step.MAX_CROP_LADDER, start, fits, too_big
+    )
+    assert largest == expected
+    assert calls == probed
+    assert all(ok == (size <= limit) for size, ok in decided.items())
+
+
+def test_stock_providers(no_registry):
+    assert step.PROVIDERS["stock"] == {}
+    assert step.available_providers("cpu") == ["stock"]
+    assert step.available_providers("cuda") == ["stock", "stock-triton"]
+    ok, reason = step.provider_availability("stock-triton", "cpu")
+    assert not ok and "CUDA" in reason
+    with pytest.raises(ValueError, match="unavailable: OF3's Triton"):
+        step.provider_update("stock-triton", "cpu")
+    with pytest.raises(ValueError, match="unknown provider 'nope'"):
+        step.provider_update("nope", "cpu")
+    config = step.build_model_config(
+        "tiny", step.provider_update("stock-triton", "cuda")
+    )
+    assert config.settings.memory.train.use_triton_triangle_kernels is True
+    assert config.architecture.pairformer.c_s == 32
+    stock = step.build_model_config("full", {})
+    assert stock.settings.memory.train.use_triton_triangle_kernels is False
+    assert stock.architecture.pairformer.no_blocks == 48
+    assert stock.architecture.shared.diffusion.no_samples == 48
+    assert stock.architecture.loss_module.diffusion.chunk_size == 4  # train preset
+    with pytest.raises(KeyError):
+        step.build_model_config("tiny", {"settings": {"memory": {"train": {"x": 1}}}})
+
+
+class _FakeExtension:
+    def __init__(self, update, ok, reason=""):
+        self.enable_update = update
+        self._available = (ok, reason)
+
+    def available(self):
+        return self._available
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    registry = types.ModuleType("of3_megafold.registry")
+    registry.EXTENSIONS = {
+        "lma": _FakeExtension(
+            {"settings": {"memory": {"train": {"use_lma": True}}}}, True
+        ),
+        "chunk": _FakeExtension(
+            {"settings": {"memory": {"train": {"chunk_size": 4}}}}, True
+        ),
+        "broken": _FakeExtension({"settings": {}}, False, "needs a Hopper GPU"),
+    }
+    monkeypatch.setitem(sys.modules, "of3_megafold.registry", registry)
+    import of3_megafold
+
+    monkeypatch.setattr(of3_megafold, "registry", registry, raising=False)
+    # The real activate() would patch OF3 for the rest of the session.
+    monkeypatch.setattr(of3_megafold, "is_active", lambda: True)
+    step._registry_extensions.cache_clear()
+    yield registry
+    step._registry_extensions.cache_clear()
+
+
+def test_kit_providers_come_from_the_registry(fake_registry):
+    updates = step.kit_provider_updates()
+    assert set(updates) == {"kit", "lma", "chunk"}
+    assert updates["kit"] == {
+        "settings": {"memory": {"train": {"use_lma": True, "chunk_size": 4}}}
+    }
+    assert step.available_providers("cpu") == ["stock", "kit", "lma", "chunk"]
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        step.provider_update("broken", "cpu")
+    config = step.build_model_config("tiny", step.provider_update("kit", "cpu"))
+    assert config.settings.memory.train.use_lma is True
+    assert config.settings.memory.train.chunk_size == 4
+    # The registry's own dicts are never modified by merging.
+    assert fake_registry.EXTENSIONS["lma"].enable_update == {
+        "settings": {"memory": {"train": {"use_lma": True}}}
+    }
+
+
+def test_without_registry_only_stock_is_offered(monkeypatch):
+    import of3_megafold
+
+    monkeypatch.setitem(sys.modules, "of3_megafold.registry", None)
+    monkeypatch.delattr(of3_megafold, "registry", raising=False)
+    step._registry_extensions.cache_clear()
+    try:
+        assert step.kit_provider_updates() == {}
+        ok, reason = step.provider_availability("kit", "cpu")
+        assert not ok and "registry" in reason
+    finally:
+        step._registry_extensions.cache_clear()
+
+
+def test_format_table_lists_every_row():
+    rows = [
+        {
+            "provider": "stock",
+            "mode": "step",
+            "n_token": 384,
+            "ms": 7540.0,
+            "peak_gib": 16.5,
+            "launches": 140409,
+            "loss": {"loss": 3.2},
+            "oom": False,
+        },
+        {
+            "provider": "stock",
+            "mode": "max_crop_probe",
+            "n_token": 1024,
+            "ms": None,
+            "oom": True,
+        },
+        {"provider": "stock", "mode": "max_crop", "n_token": 768, "max_crop": 768},
+    ]
+    table = step.format_table(rows).splitlines()
+    assert len(table) == 4
+    assert "7.54" in table[1] and "140409" in table[1]
+    assert "OOM" in table[2]
+    assert table[3].split()[-1] == "768"
