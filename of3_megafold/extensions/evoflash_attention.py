@@ -1,0 +1,203 @@
+"""EvoFlash-3D in OF3's ``Attention``: every attention with pair bias on one kernel.
+
+Keys: ``model_update.custom.settings.memory.{train,eval}.use_evoflash_attention``
+(default false). With a key on, ``Attention.forward`` of every module of that model
+(triangle attention start/end in the pairformer, MSA module, template stack and
+confidence pairformer; ``AttentionPairBias`` on the single representation;
+``DiffusionAttentionPairBias`` with its bias shared over the diffusion samples;
+``CrossAttentionPairBias``) runs its core on :func:`evoflash_attention`: the
+``[*, H, Q, K]`` logits are never stored. Parameter names are unchanged, so OF3
+checkpoints load as they are.
+
+The key is mutually exclusive with OF3's own kernel flags
+(``use_deepspeed_evo_attention``, ``use_cueq_triangle_kernels``,
+``use_triton_triangle_kernels``, ``use_lma``) in the same mode; note OF3's ``eval``
+section turns ``use_triton_triangle_kernels`` on by default.
+
+Attention whose queries and keys differ in length (none in OF3's default config
+uses it with pair bias) keeps OF3's path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+
+from of3_megafold import registry
+from of3_megafold.errors import KitConfigError
+from of3_megafold.kernels.backend import triton_backend
+
+NAME = "evoflash_attention"
+FLAG = "use_evoflash_attention"
+OF3_KERNEL_FLAGS = (
+    "use_deepspeed_evo_attention",
+    "use_cueq_triangle_kernels",
+    "use_triton_triangle_kernels",
+    "use_lma",
+)
+MODES = ("train", "eval")
+
+KEYS = tuple(
+    registry.ConfigKey(
+        ("settings", "memory", mode, FLAG),
+        False,
+        f"{mode}: run every OF3 attention with pair bias on the fused EvoFlash-3D "
+        "Triton kernel (no [*, H, N, N] logits stored). Exclusive with OF3's kernel "
+        "flags in the same section.",
+    )
+    for mode in MODES
+)
+
+
+def _flatten_bias(bias: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    """``[*, h, q, k]`` broadcastable to ``lead + [H, Q, K]`` -> ``[B, s, h, q, k]``.
+
+    ``lead`` is the query's batch shape; its last dim is the kernel's S, the others
+    fold into B. ``s`` stays 1 where the bias is shared over S (a stride-0 view).
+    """
+    bias = bias.reshape((1,) * (len(lead) + 3 - bias.dim()) + bias.shape)
+    outer = lead[:-1]
+    s = bias.shape[len(outer)]
+    bias = bias.expand(*outer, s, *bias.shape[-3:])
+    return bias.reshape(math.prod(outer), s, *bias.shape[-3:])
+
+
+def split_biases(
+    biases: list[torch.Tensor], lead: torch.Size
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Sort OF3's bias list into the kernel's mask bias and pair bias.
+
+    A bias with singleton head and query dims (``[*, 1, 1, K]``) is a mask; anything
+    else is a pair bias. Several of a kind are summed.
+
+    Returns:
+        ``mask_bias [B, S|1, 1, 1, K]`` and ``pair_bias [B, S|1, H|1, Q, K]``, each
+        ``None`` when absent.
+    """
+    masks = [b for b in biases if b.shape[-3] == 1 and b.shape[-2] == 1]
+    pairs = [b for b in biases if not (b.shape[-3] == 1 and b.shape[-2] == 1)]
+
+    def combine(group):
+        if not group:
+            return None
+        flat = [_flatten_bias(b, lead) for b in group]
+        return flat[0] if len(flat) == 1 else sum(flat[1:], flat[0])
+
+    return combine(masks), combine(pairs)
+
+
+def evoflash_forward(
+    attention: Any,
+    q_x: torch.Tensor,
+    kv_x: torch.Tensor,
+    biases: list[torch.Tensor],
+    high_precision: bool,
+) -> torch.Tensor:
+    """OF3's ``Attention.forward`` with the core on the EvoFlash-3D kernel.
+
+    Args:
+        attention: OF3's ``Attention`` module (its projections and gating are used
+            as they are).
+        q_x, kv_x: ``[*, N, C]`` query and key/value inputs (same ``N``).
+        biases: OF3's bias list, each broadcastable to ``[*, H, N, N]``.
+        high_precision: OF3's ``use_high_precision`` (fp32 ieee core).
+
+    Returns:
+        ``[*, N, C_q]``, as OF3's ``Attention.forward``.
+    """
+    from of3_megafold.kernels.evoflash import evoflash_attention
+
+    heads, c = attention.no_heads, attention.c_hidden
+    lead = q_x.shape[:-2] if q_x.dim() > 2 else torch.Size([1])
+    n = q_x.shape[-2]
+    b = math.prod(lead[:-1])
+    q, k, v = (
+        linear(x).view(b, lead[-1], n, heads, c)
+        for linear, x in (
+            (attention.linear_q, q_x),
+            (attention.linear_k, kv_x),
+            (attention.linear_v, kv_x),
+        )
+    )
+    in_dtype = q.dtype
+    if high_precision:
+        q, k, v = q.float(), k.float(), v.float()
+    mask_bias, pair_bias = split_biases(biases, lead)
+    o = evoflash_attention(
+        q,
+        k,
+        v,
+        mask_bias=mask_bias,
+        pair_bias=pair_bias,
+        scale=1.0 / math.sqrt(c),
+        high_precision=high_precision,
+    )
+    # As OF3's ``_attention``: the core's result in the projections' dtype.
+    o = o.to(in_dtype)
+    return attention._wrap_up(o.view(*q_x.shape[:-1], heads, c), q_x)
+
+
+def _enabled(module: Any) -> bool:
+    return registry.forced_variant(NAME) is not None or registry.module_flag(
+        module, FLAG
+    )
+
+
+def _patch_attention_forward(original):
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs)
+        q_x, kv_x = call.arguments["q_x"], call.arguments["kv_x"]
+        if not _enabled(self) or q_x.shape[-2] != kv_x.shape[-2]:
+            return original(self, *args, **kwargs)
+        high_precision = bool(call.arguments.get("use_high_precision", False))
+        biases = call.arguments.get("biases") or []
+        return evoflash_forward(self, q_x, kv_x, biases, high_precision)
+
+    forward.__doc__ = original.__doc__
+    forward.__wrapped__ = original
+    return forward
+
+
+def _requested(config: Any) -> bool:
+    return any(key.read(config) for key in KEYS)
+
+
+def _validate(config: Any) -> None:
+    for key in KEYS:
+        if not key.read(config):
+            continue
+        section = config.settings.memory[key.path[2]]
+        clashing = [flag for flag in OF3_KERNEL_FLAGS if section.get(flag)]
+        if clashing:
+            raise KitConfigError(
+                f"{key.yaml_path} is on together with OF3's "
+                f"{', '.join(clashing)} in settings.memory.{key.path[2]}; "
+                "choose one attention kernel (set the others to false)"
+            )
+
+
+EXTENSION = registry.register(
+    registry.Extension(
+        name=NAME,
+        summary="Fused attention with pair bias (forward and backward) at every "
+        "OF3 attention call site",
+        keys=KEYS,
+        requested=_requested,
+        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
+        requires=("triton",),
+        device_check=triton_backend,
+        patches=(
+            registry.Patch(
+                "openfold3.core.model.primitives.attention:Attention.forward",
+                _patch_attention_forward,
+            ),
+        ),
+        validate=_validate,
+        docs="docs/extensions/evoflash_attention.md",
+    )
+)

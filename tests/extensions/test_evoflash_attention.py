@@ -1,0 +1,147 @@
+"""EvoFlash-3D inside OF3's attention modules: same weights, key on vs off.
+
+Errors are measured against OF3's own module in float64; the kit (fp32, Triton; the
+interpreter on CPU) must stay within 2x the error of OF3's fp32 torch path plus a
+small floor, for the output and every gradient (input, pair input, weights).
+"""
+
+import copy
+
+import pytest
+import torch
+from ml_collections import ConfigDict
+
+from of3_megafold import activate, registry
+from of3_megafold.errors import KitConfigError
+
+
+@pytest.fixture
+def kit():
+    activate()
+    yield
+    activate()
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    # AF3 initialises several projections to zero; random weights test every path.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return module
+
+
+def _run(module, inputs: dict, grad_out: torch.Tensor):
+    inputs = {
+        k: v.detach().clone().requires_grad_(v.is_floating_point() and k != "mask")
+        for k, v in inputs.items()
+    }
+    module.zero_grad()
+    out = module(**inputs)
+    out.backward(grad_out.to(out.dtype))
+    grads = [v.grad for k, v in inputs.items() if v.requires_grad]
+    grads += [p.grad for p in module.parameters()]
+    return [out.detach(), *grads]
+
+
+def _compare(module, inputs, forced_or_tagged):
+    """Errors of kit-fp32 and stock-fp32 against stock-fp64."""
+    torch.manual_seed(1)
+    ref_module = copy.deepcopy(module).double()
+    ref_inputs = {k: v.double() for k, v in inputs.items()}
+    out_shape = module(**inputs).shape
+    grad_out = torch.randn(out_shape, dtype=torch.float64)
+    reference = _run(ref_module, ref_inputs, grad_out)
+    stock = _run(module, inputs, grad_out)
+    forced_or_tagged()
+    kit = _run(module, inputs, grad_out)
+    activate()
+    for name, r, s, k in zip(range(len(reference)), reference, stock, kit, strict=True):
+        if r is None:
+            continue
+        scale = r.abs().max().item() + 1e-12
+        stock_err = (s.double() - r).abs().max().item() / scale
+        kit_err = (k.double() - r).abs().max().item() / scale
+        assert kit_err <= 2 * stock_err + 1e-5, (name, kit_err, stock_err)
+
+
+def _force():
+    activate(force=["evoflash_attention"])
+
+
+@pytest.mark.parametrize(("starting", "n"), [(True, 17), (False, 6)])
+def test_triangle_attention(kit, starting, n):
+    from openfold3.core.model.layers.triangular_attention import TriangleAttention
+
+    module = _randomize(
+        TriangleAttention(c_in=8, c_hidden=8, no_heads=2, starting=starting), 0
+    )
+    x = torch.randn(1, n, n, 8)
+    mask = (torch.rand(1, n, n) > 0.2).float()
+    mask[0, 1] = 0.0  # a fully masked row: OF3 gives it uniform attention
+    _compare(module, {"x": x, "mask": mask}, _force)
+
+
+def test_triangle_attention_reads_model_settings(kit):
+    """Config path: a module tagged with its model's memory settings (as OF3's
+    ``OpenFold3.__init__`` does with the kit active) uses the kernel in train mode."""
+    from openfold3.core.model.layers.triangular_attention import TriangleAttention
+
+    module = _randomize(TriangleAttention(c_in=8, c_hidden=8, no_heads=2), 3)
+    memory = ConfigDict(
+        {
+            "train": {"use_evoflash_attention": True},
+            "eval": {"use_evoflash_attention": False},
+        }
+    )
+
+    def tag():
+        for m in module.modules():
+            object.__setattr__(m, registry.MEMORY_ATTR, memory)
+
+    x = torch.randn(1, 6, 6, 8)
+    _compare(module.train(), {"x": x, "mask": torch.ones(1, 6, 6)}, tag)
+
+
+@pytest.mark.parametrize("diffusion", [False, True])
+def test_attention_pair_bias(kit, diffusion):
+    from openfold3.core.model.layers import attention_pair_bias as apb
+
+    cls = apb.DiffusionAttentionPairBias if diffusion else apb.AttentionPairBias
+    module = _randomize(
+        cls(c_q=16, c_k=16, c_v=16, c_s=8, c_z=4, c_hidden=4, no_heads=4), 2
+    )
+    n, samples = 11, 3
+    lead = (1, samples) if diffusion else (1,)
+    inputs = {
+        "a": torch.randn(*lead, n, 16),
+        "z": torch.randn(1, n, n, 4),
+        "mask": (torch.rand(*lead, n) > 0.2).float(),
+    }
+    if diffusion:
+        inputs["s"] = torch.randn(*lead, n, 8)
+    module_kwargs = {"use_high_precision_attention": True}
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, **kw):
+            return self.inner(**kw, **module_kwargs)
+
+    _compare(Call(), inputs, _force)
+
+
+def test_clash_with_of3_kernel_flags_is_rejected(kit):
+    from openfold3.projects.of3_all_atom.project_entry import (
+        ModelUpdate,
+        OF3ProjectEntry,
+    )
+
+    custom = {"settings": {"memory": {"eval": {"use_evoflash_attention": True}}}}
+    with pytest.raises(KitConfigError, match="use_triton_triangle_kernels"):
+        OF3ProjectEntry().get_model_config_with_update(ModelUpdate(custom=custom))
+    custom["settings"]["memory"]["eval"]["use_triton_triangle_kernels"] = False
+    config = OF3ProjectEntry().get_model_config_with_update(ModelUpdate(custom=custom))
+    assert config.settings.memory.eval.use_evoflash_attention is True
