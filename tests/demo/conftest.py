@@ -1,0 +1,13 @@
+"""One demo set, built once per test session, shared by the demo tests."""
+
+from pathlib import Path
+
+import pytest
+
+from of3_megafold.demo.build import ensure_demo_dataset
+
+
+@pytest.fixture(scope="session")
+def demo_dataset(tmp_path_factory) -> Path:
+    """A demo set built from the installed openfold3's test data, in a tmp dir."""
+    return ensure_demo_dataset(tmp_path_factory.mktemp("demo-cache"), progress=False)
