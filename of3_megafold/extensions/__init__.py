@@ -4,6 +4,10 @@ Importing this package registers every extension in :mod:`of3_megafold.registry`
 Extension modules import OpenFold3 and the kernels lazily, inside their patches.
 """
 
-from of3_megafold.extensions import evoflash_attention, smooth_lddt
+from of3_megafold.extensions import (
+    evoflash_attention,
+    evofusion_transitions,
+    smooth_lddt,
+)
 
-__all__ = ["evoflash_attention", "smooth_lddt"]
+__all__ = ["evoflash_attention", "evofusion_transitions", "smooth_lddt"]

@@ -1,0 +1,120 @@
+"""EvoFusion in OF3's transitions: LayerNorm + SwiGLU + output Linear, fused.
+
+Keys: ``model_update.custom.settings.memory.{train,eval}.use_evofusion_transitions``
+(default false). With a key on, every ``SwiGLUTransition`` of that model (pairformer
+pair and single, MSA module, template stack, diffusion conditioning) runs
+:func:`swiglu_transition`, and every ``ConditionedTransitionBlock`` (diffusion and
+atom transformers) runs its SwiGLU and output projection through
+:func:`swiglu_mlp` after OF3's AdaLN. The forward keeps only the input (and the
+LayerNorm statistics); the backward recomputes the ``[*, n*c]`` hidden activations.
+Parameter names are unchanged, so OF3 checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from of3_megafold import registry
+from of3_megafold.kernels.backend import triton_backend
+
+NAME = "evofusion_transitions"
+FLAG = "use_evofusion_transitions"
+MODES = ("train", "eval")
+
+KEYS = tuple(
+    registry.ConfigKey(
+        ("settings", "memory", mode, FLAG),
+        False,
+        f"{mode}: fused LayerNorm + SwiGLU + output Linear in every SwiGLU "
+        "transition (and SwiGLU + output Linear after AdaLN in conditioned "
+        "transitions); hidden activations recomputed, not stored.",
+    )
+    for mode in MODES
+)
+
+
+def _enabled(module: Any) -> bool:
+    return registry.forced_variant(NAME) is not None or registry.module_flag(
+        module, FLAG
+    )
+
+
+def _has_bias(*linears) -> bool:
+    return any(linear.bias is not None for linear in linears)
+
+
+def _patch_swiglu_transition(original):
+    def _transition(self, x, mask):
+        swiglu = self.swiglu
+        if not _enabled(self) or _has_bias(
+            swiglu.linear_a, swiglu.linear_b, self.linear_out
+        ):
+            return original(self, x, mask)
+        from of3_megafold.kernels.swiglu_transition import swiglu_transition
+
+        norm = self.layer_norm
+        return swiglu_transition(
+            x,
+            norm.weight,
+            norm.bias,
+            swiglu.linear_a.weight,
+            swiglu.linear_b.weight,
+            self.linear_out.weight,
+            mask,
+            eps=norm.eps,
+        )
+
+    _transition.__wrapped__ = original
+    return _transition
+
+
+def _patch_conditioned_transition(original):
+    def _transition(self, a, s, mask):
+        swiglu = self.swiglu
+        if not _enabled(self) or _has_bias(
+            swiglu.linear_a, swiglu.linear_b, self.linear_out
+        ):
+            return original(self, a, s, mask)
+        from of3_megafold.kernels.swiglu_transition import swiglu_mlp
+
+        b = swiglu_mlp(
+            self.layer_norm(a, s),
+            swiglu.linear_a.weight,
+            swiglu.linear_b.weight,
+            self.linear_out.weight,
+        )
+        return self.sigmoid(self.linear_g(s)) * b * mask
+
+    _transition.__wrapped__ = original
+    return _transition
+
+
+def _requested(config: Any) -> bool:
+    return any(key.read(config) for key in KEYS)
+
+
+_TRANSITION = "openfold3.core.model.layers.transition"
+
+EXTENSION = registry.register(
+    registry.Extension(
+        name=NAME,
+        summary="Fused LayerNorm + SwiGLU + output Linear transitions that "
+        "recompute their wide hidden activations",
+        keys=KEYS,
+        requested=_requested,
+        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
+        requires=("triton",),
+        device_check=triton_backend,
+        patches=(
+            registry.Patch(
+                f"{_TRANSITION}:SwiGLUTransition._transition",
+                _patch_swiglu_transition,
+            ),
+            registry.Patch(
+                f"{_TRANSITION}:ConditionedTransitionBlock._transition",
+                _patch_conditioned_transition,
+            ),
+        ),
+        docs="docs/extensions/evofusion_transitions.md",
+    )
+)
