@@ -204,5 +204,33 @@ def bench(what: str, out: Path | None, quick: bool) -> None:
     click.echo(f"{len(rows)} rows appended to {out}")
 
 
+@main.command(
+    "test-of3",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option(
+    "--extensions",
+    default="none",
+    show_default=True,
+    help="Extensions to force on: none, all, or name[:variant],...",
+)
+@click.option(
+    "--subset",
+    type=click.Choice(["all", "ci"]),
+    default="all",
+    show_default=True,
+    help="The whole suite, or the files that exercise what the kit replaces.",
+)
+@click.pass_context
+def test_of3(ctx: click.Context, extensions: str, subset: str) -> None:
+    """Run OpenFold3's own test suite with the kit active (extra args go to pytest)."""
+    from of3_megafold.of3_suite import CI_SUBSET, run_of3_suite
+
+    files = CI_SUBSET if subset == "ci" else ()
+    with _user_errors():
+        status = run_of3_suite(extensions, files, tuple(ctx.args))
+    ctx.exit(status)
+
+
 if __name__ == "__main__":
     main()
