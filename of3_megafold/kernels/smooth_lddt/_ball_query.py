@@ -98,7 +98,11 @@ def _ball_query_kernel(
         u1 = ti1[:, None] - tj1[None, :]
         u2 = ti2[:, None] - tj2[None, :]
         dg2 = u0 * u0 + u1 * u1 + u2 * u2 + eps
-        hit = (dg2 < ri2[:, None]) & (rj[None, :] > 0.0) & (rows[:, None] != cols[None, :])
+        hit = (
+            (dg2 < ri2[:, None])
+            & (rj[None, :] > 0.0)
+            & (rows[:, None] != cols[None, :])
+        )
         hit_i = hit.to(tl.int32)
         rank = count[:, None] + tl.cumsum(hit_i, axis=1) - hit_i
         count += tl.sum(hit_i, axis=1)

@@ -213,26 +213,48 @@ def reverse_neighbors(neighbors: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def neighbor_score_fwd(
-    x: torch.Tensor, truth: torch.Tensor, neighbors: torch.Tensor, counts: torch.Tensor,
-    eps: float, num_warps: int = 4,
+    x: torch.Tensor,
+    truth: torch.Tensor,
+    neighbors: torch.Tensor,
+    counts: torch.Tensor,
+    eps: float,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """``A_hat [B, S]`` float64 from ``x [B, S, N, 3]`` and ``truth [B, N, 3]`` (fp32)."""
+    """``A_hat [B, S]`` float64 from fp32 ``x [B, S, N, 3]``, ``truth [B, N, 3]``."""
     b, s, n, _ = x.shape
     k = neighbors.shape[-1]
     nrb = -(-n // SCORE_BLOCK_ROWS)
     a_part = torch.empty((b * s, nrb), device=x.device, dtype=torch.float32)
     _neighbor_rows_kernel[(nrb, b * s)](
-        x, truth, neighbors, counts, a_part, a_part, a_part, n, s, nrb, k, eps,
-        BLOCK_M=SCORE_BLOCK_ROWS, BLOCK_K=SCORE_BLOCK_K, MODE=MODE_LOSS,
+        x,
+        truth,
+        neighbors,
+        counts,
+        a_part,
+        a_part,
+        a_part,
+        n,
+        s,
+        nrb,
+        k,
+        eps,
+        BLOCK_M=SCORE_BLOCK_ROWS,
+        BLOCK_K=SCORE_BLOCK_K,
+        MODE=MODE_LOSS,
         num_warps=num_warps,
     )
     return a_part.double().sum(dim=1).view(b, s)
 
 
 def neighbor_score_bwd(
-    x: torch.Tensor, truth: torch.Tensor, neighbors: torch.Tensor, counts: torch.Tensor,
-    scale: torch.Tensor, eps: float,
-    reverse: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int = 4,
+    x: torch.Tensor,
+    truth: torch.Tensor,
+    neighbors: torch.Tensor,
+    counts: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    reverse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """``scale[b, s] * dA_hat/dx`` as ``[B, S, N, 3]`` float32.
 
@@ -250,13 +272,39 @@ def neighbor_score_bwd(
         grad = torch.empty((b, s, n, 3), device=x.device, dtype=torch.float32)
         mode = MODE_GRAD_ROWS
     _neighbor_rows_kernel[(nrb, b * s)](
-        x, truth, neighbors, counts, grad, grad, scale, n, s, nrb, k, eps,
-        BLOCK_M=SCORE_BLOCK_ROWS, BLOCK_K=SCORE_BLOCK_K, MODE=mode, num_warps=num_warps,
+        x,
+        truth,
+        neighbors,
+        counts,
+        grad,
+        grad,
+        scale,
+        n,
+        s,
+        nrb,
+        k,
+        eps,
+        BLOCK_M=SCORE_BLOCK_ROWS,
+        BLOCK_K=SCORE_BLOCK_K,
+        MODE=mode,
+        num_warps=num_warps,
     )
     if reverse is not None:
         offsets, sources = reverse
         _neighbor_cols_kernel[(nrb, b * s)](
-            x, truth, counts, offsets, sources, grad, scale, n, s, k, eps,
-            BLOCK_J=SCORE_BLOCK_ROWS, BLOCK_E=SCORE_BLOCK_K, num_warps=num_warps,
+            x,
+            truth,
+            counts,
+            offsets,
+            sources,
+            grad,
+            scale,
+            n,
+            s,
+            k,
+            eps,
+            BLOCK_J=SCORE_BLOCK_ROWS,
+            BLOCK_E=SCORE_BLOCK_K,
+            num_warps=num_warps,
         )
     return grad

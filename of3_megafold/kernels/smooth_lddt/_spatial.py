@@ -79,7 +79,9 @@ def morton_order(truth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     lo = torch.where(valid[..., None], t, inf).amin(dim=1, keepdim=True)
     hi = torch.where(valid[..., None], t, -inf).amax(dim=1, keepdim=True)
     lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
-    span = torch.where(torch.isfinite(hi), hi - lo, torch.ones_like(hi)).clamp_min(1e-3)
+    # One scale for all axes: cells stay cubes, so the curve follows real distances.
+    span = torch.where(torch.isfinite(hi), hi - lo, torch.ones_like(hi))
+    span = span.amax(dim=-1, keepdim=True).clamp_min(1e-3)
     top = (1 << _MORTON_BITS) - 1
     q = ((t - lo) / span * top).nan_to_num(0.0).clamp(0, top).long()
     key = _spread_bits(q[..., 0]) | (_spread_bits(q[..., 1]) << 1)
@@ -137,7 +139,8 @@ def make_plan(
     lo_r, hi_r, rad_r = _block_boxes(t_sorted, r_sorted, block_rows)
     lo_c, hi_c, rad_c = _block_boxes(t_sorted, r_sorted, block_cols)
     gap = torch.maximum(
-        lo_c[:, None, :, :] - hi_r[:, :, None, :], lo_r[:, :, None, :] - hi_c[:, None, :, :]
+        lo_c[:, None, :, :] - hi_r[:, :, None, :],
+        lo_r[:, :, None, :] - hi_c[:, None, :, :],
     ).clamp_min(0.0)
     dist2 = (gap * gap).sum(-1)  # [B, NRB, NCB]
     cut = rad_r[:, :, None]

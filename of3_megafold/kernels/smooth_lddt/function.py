@@ -118,8 +118,16 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, truth, is_nucleotide, atom_mask, max_neighbors, seed, eps,
-        deterministic, neighbors,
+        ctx,
+        x,
+        truth,
+        is_nucleotide,
+        atom_mask,
+        max_neighbors,
+        seed,
+        eps,
+        deterministic,
+        neighbors,
     ):
         truth, nuc, valid = normalize_inputs(x, truth, is_nucleotide, atom_mask)
         b, s, n, _ = x.shape
@@ -154,7 +162,12 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
         x, t32, nbr, counts, dloss_da, *reverse = ctx.saved_tensors
         scale = dloss_da * grad_loss.double()
         grad = neighbor_score_bwd(
-            x.float().contiguous(), t32, nbr, counts, scale, ctx.eps,
+            x.float().contiguous(),
+            t32,
+            nbr,
+            counts,
+            scale,
+            ctx.eps,
             reverse=tuple(reverse) if reverse else None,
         )
         return grad.to(x.dtype), None, None, None, None, None, None, None, None
@@ -209,6 +222,13 @@ def smooth_lddt_ball_query(
     if neighbors is None:
         seed = draw_seed() if seed is None else int(seed) % (2**31)
     return SmoothLDDTBallQueryFunction.apply(
-        x, truth, is_nucleotide, atom_mask, max_neighbors, seed, eps, deterministic,
+        x,
+        truth,
+        is_nucleotide,
+        atom_mask,
+        max_neighbors,
+        seed,
+        eps,
+        deterministic,
         neighbors,
     )

@@ -95,7 +95,9 @@ def smooth_lddt_reference(
     mask_atom = valid.to(dtype)[:, None]
     n = x.shape[-2]
 
-    dx = torch.sqrt(eps + torch.sum((x[..., None, :] - x[..., None, :, :]) ** 2, dim=-1))
+    dx = torch.sqrt(
+        eps + torch.sum((x[..., None, :] - x[..., None, :, :]) ** 2, dim=-1)
+    )
     dx_gt = torch.sqrt(
         eps + torch.sum((t[..., None, :] - t[..., None, :, :]) ** 2, dim=-1)
     )
@@ -106,7 +108,9 @@ def smooth_lddt_reference(
     )
     mask = 1 - torch.eye(n, device=x.device, dtype=dtype)
     mask = (mask * (mask_atom[..., None] * mask_atom[..., None, :])).bool()
-    ce_mean = torch.sum(c * e * mask, dim=(-1, -2)) / (torch.sum(mask, dim=(-1, -2)) + eps)
+    ce_mean = torch.sum(c * e * mask, dim=(-1, -2)) / (
+        torch.sum(mask, dim=(-1, -2)) + eps
+    )
     c_mean = torch.sum(c * mask, dim=(-1, -2)) / (torch.sum(mask, dim=(-1, -2)) + eps)
     return 1 - ce_mean / (c_mean + eps)
 
@@ -165,7 +169,9 @@ def smooth_lddt_from_neighbors_reference(
     j = neighbors.clamp_min(0).long()  # [B, N, K]
     xj = torch.gather(x, 2, j.reshape(b, 1, n * k, 1).expand(b, s, n * k, 3))
     xj = xj.reshape(b, s, n, k, 3)
-    tj = torch.gather(t, 1, j.reshape(b, n * k, 1).expand(b, n * k, 3)).reshape(b, n, k, 3)
+    tj = torch.gather(t, 1, j.reshape(b, n * k, 1).expand(b, n * k, 3)).reshape(
+        b, n, k, 3
+    )
     dp = torch.sqrt(eps + ((x[:, :, :, None] - xj) ** 2).sum(-1))
     dg = torch.sqrt(eps + ((t[:, :, None] - tj) ** 2).sum(-1))[:, None]
     delta = torch.abs(dg - dp)
