@@ -212,6 +212,23 @@ def test_fully_masked_slice_is_uniform(device):
     torch.testing.assert_close(dq, dq_ref, atol=1e-5, rtol=1e-4)
 
 
+def test_minus_inf_mask_gives_uniform_weights(device):
+    """An all -inf key mask: uniform weights (torch would give NaN), finite grads."""
+    case = Case(1, 2, 17, 1, 16, mask="none")
+    q, k, v, _, pair_bias, do = make_inputs(case, device, seed=8)
+    mask_bias = torch.zeros(1, 2, 1, 1, 17, device=device)
+    mask_bias[:, 1] = float("-inf")
+    mask_bias[:, 0, ..., 3] = float("-inf")
+    o = evoflash_attention(q, k, v, mask_bias, pair_bias)
+    torch.testing.assert_close(o[:, 1], v[:, 1].mean(dim=1, keepdim=True).expand_as(
+        o[:, 1]), atol=1e-5, rtol=1e-5)
+    finite = mask_bias.clamp(min=-INF)
+    torch.testing.assert_close(o, evoflash_attention_reference(q, k, v, finite,
+                                                               pair_bias))
+    grads = torch.autograd.grad(o, (q, k, v, pair_bias), do)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("wanted", ["q", "kv", "bias", "q_bias"])
 def test_only_requested_gradients(wanted, device):
     case = Case(1, 3, 17, 2, 24)

@@ -17,18 +17,19 @@ registers: no atomics, a fixed summation order, bit-reproducible gradients.
   ``FUSE_DQ`` it also adds ``scale dS K`` to an fp32 dQ with atomics, which saves
   the dQ kernel's pass over the exponentials at the price of determinism.
 
-Every kernel recomputes ``P = exp2(s2 - lse) * r`` (see ``_fwd``); ``r`` is folded
-into ``dO`` (dK/dV kernel) or into ``dP`` with one FMA (the others), never applied
-to the ``[BLOCK, BLOCK]`` tile.
+Every kernel recomputes ``P = exp2(log2(e) s - lse) * r`` (see ``_fwd``); ``r`` is
+folded into ``dO`` (dK/dV kernel) or into ``dP`` with one FMA (the others), never
+applied to the ``[BLOCK, BLOCK]`` tile.
 """
 
 import triton
 import triton.language as tl
 
 from ._tiles import (
+    LOG2E,
     _cast,
     _dot,
-    _load_bias_log2,
+    _load_bias,
     _load_key_mask,
     _load_rowstat,
     _load_tile,
@@ -67,7 +68,7 @@ def _evoflash_bwd_preprocess_kernel(
 def _dkdv_query_block(
     dk, dv, k, v, key_mask, bias_t,
     Q_row, DO_row, LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D,
-    stride_qn, stride_don, qk_scale_log2,
+    stride_qn, stride_don, sm_scale,
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
     PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
 ):
@@ -82,12 +83,12 @@ def _dkdv_query_block(
     lse = _load_rowstat(LSE_row, offs_m, N, float("inf"), EVEN_N)
     r = _load_rowstat(R_row, offs_m, N, 0.0, EVEN_N)
     delta = _load_rowstat(DELTA_row, offs_m, N, 0.0, EVEN_N)
-    s2_t = _dot(k, tl.trans(q), None, HIGH_PRECISION) * qk_scale_log2
+    s_t = _dot(k, tl.trans(q), None, HIGH_PRECISION) * sm_scale
     if HAS_BIAS:
-        s2_t += bias_t
+        s_t += bias_t
     if COL_MASK:
-        s2_t += key_mask[:, None]
-    p_t = tl.math.exp2(s2_t - lse[None, :])
+        s_t += key_mask[:, None]
+    p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
     do = _cast(do.to(tl.float32) * r[:, None], do.dtype)
     dv = _dot(_cast(p_t, do.dtype), do, dv, HIGH_PRECISION)
     dp_t = _dot(v, tl.trans(do), None, HIGH_PRECISION)
@@ -99,7 +100,7 @@ def _dkdv_query_block(
 @triton.jit
 def _evoflash_bwd_dkdv_kernel(
     Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DK, DV,
-    qk_scale_log2, sm_scale,
+    sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
@@ -156,7 +157,7 @@ def _evoflash_bwd_dkdv_kernel(
     for start_m in range(0, N, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         if HAS_BIAS:
-            bias_t = _load_bias_log2(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
+            bias_t = _load_bias(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
                                      stride_bs, stride_bh, stride_bi, EVEN_N, True)
         else:
             bias_t = 0.0
@@ -164,18 +165,18 @@ def _evoflash_bwd_dkdv_kernel(
             dk0, dv0, k0, v0, mask0, bias_t, Q0, DO0,
             _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
             _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
-            stride_don, qk_scale_log2, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+            stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
             HIGH_PRECISION)
         if S_GROUP == 2:
             if BIAS_PER_S:
-                bias_t = _load_bias_log2(BIAS, b, s1, h, offs_m, offs_n, N, stride_bb,
+                bias_t = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N, stride_bb,
                                          stride_bs, stride_bh, stride_bi, EVEN_N, True)
             dk1, dv1 = _dkdv_query_block(
                 dk1, dv1, k1, v1, mask1, bias_t, Q1, DO1,
                 _stat_ptr(LSE, b, s1, h, S, H, N),
                 _stat_ptr(RSCALE, b, s1, h, S, H, N),
                 _stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
-                stride_don, qk_scale_log2, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+                stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
                 HIGH_PRECISION)
 
     g_ptrs = offs_n[:, None] * stride_gn + offs_d[None, :]
@@ -195,41 +196,41 @@ def _evoflash_bwd_dkdv_kernel(
 
 @triton.jit
 def _ds_block(
-    q, do, lse, r, delta, bias_log2, k_t, V_row, MASK, b, s, offs_n, offs_d, N, D,
-    stride_vn, stride_mb, stride_ms, stride_mn, qk_scale_log2,
+    q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s_idx, offs_n, offs_d, N, D,
+    stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
 ):
     """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice."""
     v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
                      HIGH_PRECISION)
-    s2 = _dot(q, k_t, None, HIGH_PRECISION) * qk_scale_log2
+    s = _dot(q, k_t, None, HIGH_PRECISION) * sm_scale
     if HAS_BIAS:
-        s2 += bias_log2
+        s += bias
     if COL_MASK:
-        key_mask = _load_key_mask(MASK, b, s, offs_n, N, stride_mb, stride_ms,
+        key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb, stride_ms,
                                   stride_mn, HAS_MASK, EVEN_N)
-        s2 += key_mask[None, :]
-    p = tl.math.exp2(s2 - lse[:, None])
+        s += key_mask[None, :]
+    p = tl.math.exp2(s * LOG2E - lse[:, None])
     dp = _dot(do, v_t, None, HIGH_PRECISION)
     return p * (dp * r[:, None] - delta[:, None])
 
 
 @triton.jit
 def _dq_key_block(
-    dq, q, do, lse, r, delta, bias_log2,
+    dq, q, do, lse, r, delta, bias,
     K_row, V_row, MASK, DB_row, b, s, offs_m, offs_n, offs_d, N, D,
     stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, stride_dbi,
-    qk_scale_log2, n_rows,
+    sm_scale, n_rows,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
                      HIGH_PRECISION)
-    ds = _ds_block(q, do, lse, r, delta, bias_log2, k_t, V_row, MASK, b, s, offs_n,
+    ds = _ds_block(q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s, offs_n,
                    offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
-                   qk_scale_log2, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+                   sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
                    HIGH_PRECISION)
     if STORE_DS:
         db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
@@ -243,7 +244,7 @@ def _dq_key_block(
 @triton.jit
 def _evoflash_bwd_dq_kernel(
     Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ, DBIAS,
-    qk_scale_log2, sm_scale,
+    sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
@@ -310,24 +311,24 @@ def _evoflash_bwd_dq_kernel(
     for start_n in range(0, N, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            bias_log2 = _load_bias_log2(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
+            bias = _load_bias(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
                                         stride_bs, stride_bh, stride_bi, EVEN_N, False)
         else:
-            bias_log2 = 0.0
+            bias = 0.0
         dq0 = _dq_key_block(
-            dq0, q0, do0, lse0, r0, delta0, bias_log2, K0, V0, MASK, DB0, b, s0,
+            dq0, q0, do0, lse0, r0, delta0, bias, K0, V0, MASK, DB0, b, s0,
             offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb, stride_ms,
-            stride_mn, stride_dbi, qk_scale_log2, N, HAS_MASK, HAS_BIAS,
+            stride_mn, stride_dbi, sm_scale, N, HAS_MASK, HAS_BIAS,
             COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION, COMPUTE_DQ, STORE_DS)
         if S_GROUP == 2:
             if BIAS_PER_S:
-                bias_log2 = _load_bias_log2(BIAS, b, s1, h, offs_m, offs_n, N,
+                bias = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N,
                                             stride_bb, stride_bs, stride_bh,
                                             stride_bi, EVEN_N, False)
             dq1 = _dq_key_block(
-                dq1, q1, do1, lse1, r1, delta1, bias_log2, K1, V1, MASK, DB1, b, s1,
+                dq1, q1, do1, lse1, r1, delta1, bias, K1, V1, MASK, DB1, b, s1,
                 offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb,
-                stride_ms, stride_mn, stride_dbi, qk_scale_log2,
+                stride_ms, stride_mn, stride_dbi, sm_scale,
                 tl.where(s0 + 1 < S, N, 0),
                 HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION,
                 COMPUTE_DQ, STORE_DS)
@@ -347,7 +348,7 @@ def _evoflash_bwd_dq_kernel(
 @triton.jit
 def _evoflash_bwd_dbias_kernel(
     Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ_ACC, DBIAS_PART,
-    qk_scale_log2, sm_scale,
+    sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
@@ -382,7 +383,7 @@ def _evoflash_bwd_dbias_kernel(
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     zero = b * 0
-    bias_log2 = _load_bias_log2(BIAS, b, zero, h, offs_m, offs_n, N, stride_bb, 0,
+    bias = _load_bias(BIAS, b, zero, h, offs_m, offs_n, N, stride_bb, 0,
                                 stride_bh, stride_bi, EVEN_N, False)
     dbias = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_lo = split * S_CHUNK
@@ -402,10 +403,10 @@ def _evoflash_bwd_dbias_kernel(
         r = _load_rowstat(_stat_ptr(RSCALE, b, s, h, S, H, N), offs_m, N, 0.0, EVEN_N)
         delta = _load_rowstat(_stat_ptr(DELTA, b, s, h, S, H, N), offs_m, N, 0.0,
                               EVEN_N)
-        ds = _ds_block(q, do, lse, r, delta, bias_log2, k_t,
+        ds = _ds_block(q, do, lse, r, delta, bias, k_t,
                        _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
                        b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
-                       stride_mn, qk_scale_log2, HAS_MASK, True, COL_MASK, EVEN_N,
+                       stride_mn, sm_scale, HAS_MASK, True, COL_MASK, EVEN_N,
                        PAD_D, HIGH_PRECISION)
         dbias += ds
         if FUSE_DQ:

@@ -7,19 +7,21 @@ every S slice when the bias is broadcast over S, so it is loaded once per key bl
 and used ``S_GROUP`` times: at OF3's triangle shapes the bias tile, not the dots, is
 the bulk of the L2 traffic per exponential.
 
-Stored per query row: ``lse = m + log2(l)`` (base 2) and ``r = 2^(lse - m - log2 l)``,
-the factor the rounding of ``lse`` lost. ``r`` is 1 up to an ulp except for a query
-whose keys are all masked by a -1e9 bias: there ``m`` is ~-1.4e9, ``m + log2(l)``
-rounds back to ``m`` and ``r = 1 / l`` carries the normalisation the backward needs.
+Stored per query row, base 2: ``lse = m2 + log2(l)`` with ``m2 = log2(e) * max_j s``,
+and ``r = 2^(lse - m2 - log2 l)``, the factor the rounding of ``lse`` lost. ``r`` is 1
+up to an ulp except for a query whose keys are all masked by a -1e9 bias: there
+``m2`` is ~-1.4e9, ``m2 + log2(l)`` rounds back to ``m2`` and ``r = 1 / l`` carries
+the normalisation the backward needs.
 """
 
 import triton
 import triton.language as tl
 
 from ._tiles import (
+    LOG2E,
     _cast,
     _dot,
-    _load_bias_log2,
+    _load_bias,
     _load_key_mask,
     _load_tile,
     _row_ptr,
@@ -29,9 +31,9 @@ from ._tiles import (
 
 @triton.jit
 def _fwd_key_block(
-    acc, m_i, l_i, q, bias_log2,
-    K_row, V_row, MASK, b, s, offs_n, offs_d, N, D,
-    stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, qk_scale_log2,
+    acc, m_i, l_i, q, bias,
+    K_row, V_row, MASK, b, s_idx, offs_n, offs_d, N, D,
+    stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
 ):
@@ -40,16 +42,16 @@ def _fwd_key_block(
                      HIGH_PRECISION)
     v = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
                    HIGH_PRECISION)
-    s2 = _dot(q, k_t, None, HIGH_PRECISION) * qk_scale_log2
+    s = _dot(q, k_t, None, HIGH_PRECISION) * sm_scale
     if HAS_BIAS:
-        s2 += bias_log2
+        s += bias
     if COL_MASK:
-        key_mask = _load_key_mask(MASK, b, s, offs_n, N, stride_mb, stride_ms,
+        key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb, stride_ms,
                                   stride_mn, HAS_MASK, EVEN_N)
-        s2 += key_mask[None, :]
-    m_new = tl.maximum(m_i, tl.max(s2, 1))
-    p = tl.math.exp2(s2 - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        s += key_mask[None, :]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s * LOG2E - (m_new * LOG2E)[:, None])
+    alpha = tl.math.exp2((m_i - m_new) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], HIGH_PRECISION)
     return acc, m_new, l_i
@@ -62,9 +64,10 @@ def _fwd_store(
     """Normalise and store one S slice's rows; ``n_rows`` is N, or 0 for a slice
     past S (a scalar row limit rather than a boolean: the interpreter cannot
     combine a scalar int1 with a block mask)."""
+    m2 = m_i * LOG2E  # exactly as in _fwd_key_block
     log2_l = tl.math.log2(l_i)
-    lse = m_i + log2_l
-    r = tl.math.exp2((lse - m_i) - log2_l)
+    lse = m2 + log2_l
+    r = tl.math.exp2((lse - m2) - log2_l)
     o = acc / l_i[:, None]
     rows_ok = offs_m < n_rows
     o_ptrs = O_row + offs_m[:, None] * stride_on + offs_d[None, :]
@@ -77,7 +80,7 @@ def _fwd_store(
 @triton.jit
 def _evoflash_fwd_kernel(
     Q, K, V, MASK, BIAS, OUT, LSE, RSCALE,
-    qk_scale_log2,
+    sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
@@ -130,23 +133,23 @@ def _evoflash_fwd_kernel(
     for start_n in range(0, N, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            bias_log2 = _load_bias_log2(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
+            bias = _load_bias(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
                                         stride_bs, stride_bh, stride_bi, EVEN_N, False)
         else:
-            bias_log2 = 0.0
+            bias = 0.0
         acc0, m0, l0 = _fwd_key_block(
-            acc0, m0, l0, q0, bias_log2, K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
-            stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, qk_scale_log2,
+            acc0, m0, l0, q0, bias, K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
+            stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
             HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION)
         if S_GROUP == 2:
             if BIAS_PER_S:
-                bias_log2 = _load_bias_log2(BIAS, b, s1, h, offs_m, offs_n, N,
+                bias = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N,
                                             stride_bb, stride_bs, stride_bh,
                                             stride_bi, EVEN_N, False)
             acc1, m1, l1 = _fwd_key_block(
-                acc1, m1, l1, q1, bias_log2, K1, V1, MASK, b, s1, offs_n, offs_d, N,
+                acc1, m1, l1, q1, bias, K1, V1, MASK, b, s1, offs_n, offs_d, N,
                 D, stride_kn, stride_vn, stride_mb, stride_ms, stride_mn,
-                qk_scale_log2, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
+                sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
                 HIGH_PRECISION)
 
     _fwd_store(acc0, m0, l0,

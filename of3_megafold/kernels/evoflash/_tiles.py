@@ -2,9 +2,10 @@
 
 Conventions used by every kernel of the op:
 
-* logits live in the base-2 domain: ``s2 = log2(e) * (scale q.k + pair_bias +
-  mask_bias)`` so the softmax uses ``exp2`` (one MUFU op, no extra multiply);
-  ``log2(e) * scale`` is folded into one multiply of the dot result.
+* logits ``s = scale q.k + pair_bias + mask_bias`` are formed in natural units
+  (one FMA and one add per element) and exponentiated as ``exp2(s * log2(e) - c)``
+  with ``c`` a per-row constant kept in base 2: the ``log2(e)`` rides on that FMA,
+  so the bias needs no scaling (flash-attention 2's trick for the softmax scale).
 * keys past the end of the sequence get ``-inf`` through the column mask; rows past
   the end load zeros and are never stored.
 * head dims that are not a power of two >= 16 are zero padded by masked loads.
@@ -120,7 +121,15 @@ def _load_key_mask(
     MASK, b, s, offs_n, N, stride_mb, stride_ms, stride_mn,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """``log2(e) * mask_bias[b, s, j]`` for keys ``offs_n``; ``-inf`` past N."""
+    """``mask_bias[b, s, j]`` (fp32) for keys ``offs_n``; ``-inf`` past N.
+
+    Values below -2^29 (OF3's -1e9, or -inf) become exactly -2^30. Like -1e9 in
+    fp32 it swallows any logit below 32 in magnitude, so a query whose keys are all
+    masked sees equal logits and uniform weights, as in OF3; being a power of two,
+    its product with log2(e) is exact, so those equal logits stay equal whether the
+    compiler fuses ``s * log2(e) - c`` into one FMA or not (and -inf masks give
+    uniform weights instead of NaN).
+    """
     if HAS_MASK:
         ptrs = (
             MASK
@@ -129,22 +138,24 @@ def _load_key_mask(
             + offs_n * stride_mn
         )
         if EVEN_N:
-            m = tl.load(ptrs).to(tl.float32) * LOG2E
+            m = tl.load(ptrs).to(tl.float32)
+            m = tl.where(m < -536870912.0, -1073741824.0, m)
         else:
-            m = tl.load(ptrs, mask=offs_n < N, other=float("-inf")).to(tl.float32)
-            m = m * LOG2E
+            m = tl.load(ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
+            m = tl.where(m < -536870912.0, -1073741824.0, m)
+            m = tl.where(offs_n < N, m, float("-inf"))
     else:
         m = tl.where(offs_n < N, 0.0, float("-inf"))
     return m
 
 
 @triton.jit
-def _load_bias_log2(
+def _load_bias(
     BIAS, b, s, h, offs_i, offs_j, N,
     stride_bb, stride_bs, stride_bh, stride_bi,
     EVEN_N: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
-    """``log2(e) * pair_bias[b, s, h, i, j]`` as ``[I, J]`` (``[J, I]`` if
+    """``pair_bias[b, s, h, i, j]`` (fp32) as ``[I, J]`` (``[J, I]`` if
     TRANSPOSED); zero outside the N x N square. The j stride is 1."""
     base = (
         BIAS
@@ -162,5 +173,5 @@ def _load_bias_log2(
         tile = tl.load(ptrs)
     else:
         tile = tl.load(ptrs, mask=inside, other=0.0)
-    return tile.to(tl.float32) * LOG2E
+    return tile.to(tl.float32)
 

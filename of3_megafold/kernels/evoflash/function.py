@@ -20,8 +20,6 @@ from ._bwd import (
 )
 from ._fwd import _evoflash_fwd_kernel
 
-LOG2E = 1.4426950408889634
-
 _HEURISTICS = {
     "EVEN_N": lambda a: a["N"] % a["BLOCK_M"] == 0 and a["N"] % a["BLOCK_N"] == 0,
     "PAD_D": lambda a: a["D"] != a["BLOCK_D"],
@@ -158,7 +156,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
         MASK=inp.mask if inp.mask is not None else q,
         BIAS=inp.bias if inp.bias is not None else q,
         OUT=o, LSE=lse, RSCALE=r,
-        qk_scale_log2=scale * LOG2E,
+        sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
         stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
@@ -220,7 +218,7 @@ def evoflash_bwd(
         MASK=inp.mask if inp.mask is not None else q,
         BIAS=inp.bias if inp.bias is not None else q,
         LSE=lse, RSCALE=r, DELTA=delta,
-        qk_scale_log2=scale * LOG2E, sm_scale=scale,
+        sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
         stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
@@ -351,10 +349,11 @@ def evoflash_attention(
         q, k, v: ``[B, S, N, H, D]`` (OF3's layout after the q/k/v projections),
             same dtype (fp32, bf16, fp16), any strides with a unit last stride;
             D up to 128 (tuned for 8..64).
-        mask_bias: optional additive mask broadcastable to ``[B, S, 1, 1, N]``;
-            use a large finite negative (OF3: ``1e9 * (mask - 1)``), not -inf: a
-            query whose keys are all masked then gets uniform weights, as in OF3.
-            Not differentiated (its gradient is None).
+        mask_bias: optional additive mask broadcastable to ``[B, S, 1, 1, N]``
+            (OF3: ``1e9 * (mask - 1)``). Values below -2^29 act as -2^30, which
+            swallows the logits as OF3's fp32 -1e9 does: a query whose keys are all
+            masked gets uniform weights, as in OF3 (also for -inf, where torch
+            gives NaN). Not differentiated (its gradient is None).
         pair_bias: optional bias broadcastable to ``[B, S, H, N, N]``, typically
             ``[B, 1, H, N, N]``; its gradient is reduced over what it broadcasts.
         scale: logit scale, default ``D ** -0.5``.
