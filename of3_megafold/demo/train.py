@@ -141,7 +141,8 @@ class LossRecorder(pl.Callback):
                 "step": trainer.global_step,
                 "pdb_id": ",".join(batch.get("pdb_id", [])),
                 "sampled": ",".join(
-                    str(x) for x in batch.get("preferred_chain_or_interface", [])
+                    _datapoint_id(x)
+                    for x in batch.get("preferred_chain_or_interface", [])
                 ),
                 "seconds": round(time.perf_counter() - self._step_start, 3),
                 **self._logged,
@@ -155,6 +156,15 @@ class LossRecorder(pl.Callback):
 
 
 _ROW_META = ("step", "pdb_id", "sampled", "seconds")
+
+
+def _datapoint_id(sampled: str) -> str:
+    """OF3's sampled chain (``"3"``) or interface (``"['3', '4']"``) as a cache id.
+
+    Interfaces become ``"3_4"``, the key they have in the dataset cache.
+    """
+    return "_".join(part.strip(" '\"") for part in sampled.strip("[]").split(","))
+
 
 ALWAYS_REPORTED_LOSSES = (
     "loss",
