@@ -153,7 +153,7 @@ def find_demo_sources() -> DemoSources:
     missing = []
     if not mmcifs:
         missing.append(f"{mmcif_dir}/*.cif")
-    missing += [str(d) for d in msa_dirs if not any(d.glob("*.[as][3t][mo]"))]
+    missing += [str(d) for d in msa_dirs if not _msa_files(d)]
     if missing:
         raise DemoSourceMissingError(
             "The demo training set is built from the test data that the openfold3 "
@@ -206,22 +206,23 @@ def ensure_demo_dataset(
 
     sources = find_demo_sources()
     root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_builds(root, target.name)
-
-    staging = Path(
-        tempfile.mkdtemp(
-            prefix=f"{_BUILD_PREFIX}{target.name}-{os.getpid()}-", dir=root
+    with _build_lock(root):
+        # Another process may have finished the same build while we waited.
+        if not force and read_stamp(target) == stamp:
+            return target
+        _remove_abandoned_builds(root, target.name)
+        staging = Path(
+            tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{target.name}-", dir=root)
         )
-    )
-    try:
-        summary = _build_into(staging, sources, progress=progress)
-        (staging / STAMP_FILE).write_text(
-            json.dumps({"stamp": stamp, "summary": summary}, indent=2) + "\n"
-        )
-        _move_into_place(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        try:
+            summary = _build_into(staging, sources, progress=progress)
+            (staging / STAMP_FILE).write_text(
+                json.dumps({"stamp": stamp, "summary": summary}, indent=2) + "\n"
+            )
+            _move_into_place(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     if progress:
         tqdm.write(
             f"Demo training set: {summary['structures']} structures, "
@@ -253,25 +254,30 @@ def demo_dataset_paths(dataset_dir: Path) -> dict[str, str | None]:
     }
 
 
+@contextlib.contextmanager
+def _build_lock(root: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the cache root: one build at a time, per host.
+
+    Concurrent runs (two demos started at once) then build once; the second finds
+    the first one's finished set.
+    """
+    import fcntl
+
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _remove_abandoned_builds(root: Path, name: str) -> None:
-    """Delete staging dirs of builds whose process is gone (killed, power loss)."""
+    """Delete staging dirs of builds killed outright (SIGKILL, power loss).
+
+    Called under the build lock, so no such directory belongs to a live build.
+    """
     for staging in root.glob(f"{_BUILD_PREFIX}{name}-*"):
-        pid_text = staging.name[len(f"{_BUILD_PREFIX}{name}-") :].split("-", 1)[0]
-        if pid_text.isdigit() and _process_alive(int(pid_text)):
-            continue
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _move_into_place(staging: Path, target: Path) -> None:
@@ -280,16 +286,19 @@ def _move_into_place(staging: Path, target: Path) -> None:
     Between the two renames the target is briefly absent, never half-written.
     """
     if target.exists():
-        retired = target.with_name(f"{_BUILD_PREFIX}{target.name}-{os.getpid()}-old")
-        os.replace(target, retired)
+        retired = Path(
+            tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{target.name}-", dir=target.parent)
+        )
+        os.replace(target, retired / target.name)
         shutil.rmtree(retired, ignore_errors=True)
-    try:
-        os.replace(staging, target)
-    except OSError:
-        # Another process finished the same build in between: keep its set.
-        if read_stamp(target) is None:
-            raise
-        shutil.rmtree(staging, ignore_errors=True)
+    os.replace(staging, target)
+
+
+def _msa_files(msa_dir: Path) -> list[Path]:
+    """The ``.a3m``/``.sto`` alignments in a directory (none if it is missing)."""
+    if not msa_dir.is_dir():
+        return []
+    return sorted(p for p in msa_dir.iterdir() if p.suffix in (".a3m", ".sto"))
 
 
 @contextlib.contextmanager
@@ -401,7 +410,7 @@ def _msa_query(msa_dir: Path) -> str:
     """The query sequence (first row, gaps removed) of an MSA directory."""
     from openfold3.core.data.io.sequence.msa import parse_msas_direct
 
-    files = sorted(p for p in msa_dir.iterdir() if p.suffix in (".a3m", ".sto"))
+    files = _msa_files(msa_dir)
     msas = parse_msas_direct(files, max_seq_counts={p.stem: 1 for p in files})
     first = msas[sorted(msas)[0]]
     return "".join(first.msa[0]).replace("-", "")
@@ -447,8 +456,8 @@ def _write_alignments(
             continue
         rep_for_sequence[query] = msa_dir.name
         (alignments / msa_dir.name).mkdir()
-        for msa_file in msa_dir.iterdir():
-            if msa_file.stem in wanted_stems and msa_file.suffix in (".a3m", ".sto"):
+        for msa_file in _msa_files(msa_dir):
+            if msa_file.stem in wanted_stems:
                 shutil.copyfile(msa_file, alignments / msa_dir.name / msa_file.name)
 
     chain_to_rep: dict[str, str] = {}

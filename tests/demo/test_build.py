@@ -2,6 +2,8 @@
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,13 +93,14 @@ def test_interrupted_build_leaves_nothing_and_next_build_succeeds(
     with pytest.raises(KeyboardInterrupt):
         ensure_demo_dataset(tmp_path, progress=False)
     assert not target.exists()
-    assert list(tmp_path.iterdir()) == []  # staging dirs removed, ours and the old
+    # Staging dirs removed, ours and the abandoned one; only the lock file stays.
+    assert [p.name for p in tmp_path.iterdir()] == [".build.lock"]
 
     monkeypatch.undo()
     assert ensure_demo_dataset(tmp_path, progress=False) == target
     assert read_stamp(target) == demo_stamp()
     assert (target / build.DATASET_CACHE_FILE).is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".build.lock", target.name]
 
 
 def test_version_change_triggers_rebuild(tmp_path, monkeypatch):
@@ -134,6 +137,23 @@ def test_version_change_triggers_rebuild(tmp_path, monkeypatch):
 
     ensure_demo_dataset(tmp_path, force=True, progress=False)
     assert len(builds) == 3
+
+
+def test_concurrent_builds_build_once(tmp_path, monkeypatch):
+    builds = []
+
+    def slow_stub_build(staging: Path, sources, *, progress):
+        builds.append(staging)
+        time.sleep(0.5)
+        return {"structures": 0, "chains": 0, "build_seconds": 0.5, "source": ""}
+
+    monkeypatch.setattr(build, "_build_into", slow_stub_build)
+    with ThreadPoolExecutor(2) as pool:
+        targets = list(
+            pool.map(lambda _: ensure_demo_dataset(tmp_path, progress=False), [0, 1])
+        )
+    assert targets[0] == targets[1]
+    assert len(builds) == 1
 
 
 def test_cache_root_from_environment(tmp_path, monkeypatch):

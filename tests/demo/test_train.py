@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from of3_megafold.demo.build import demo_dataset_paths
 from of3_megafold.demo.train import (
     ALWAYS_REPORTED_LOSSES,
     DEFAULT_RUNNER_YAML,
@@ -25,8 +26,7 @@ def test_demo_yaml_validates_and_builds_the_small_model(demo_dataset, tmp_path):
     )
     config = TrainingExperimentConfig.model_validate(runner)
 
-    paths = config.dataset_paths["demo"]
-    assert paths.dataset_cache_file.parent == demo_dataset.resolve()
+    assert runner["dataset_paths"]["demo"] == demo_dataset_paths(demo_dataset.resolve())
     assert config.experiment_settings.output_dir == tmp_path.resolve()
     assert config.pl_trainer_args.accelerator == "cpu"
     assert config.pl_trainer_args.precision == "32-true"
