@@ -9,7 +9,9 @@ _training_step_manual_clip`` in ``projects/of3_all_atom/runner.py``)::
 
 under ``torch.autocast("cuda", torch.bfloat16)`` with fp32 weights (Lightning's
 ``bf16-mixed``) on CUDA, plain fp32 on CPU. Gradient clipping, the optimiser and the
-EMA update are left out: they cost the same for every provider.
+EMA update are left out: they cost the same for every provider. So is their memory
+(Adam moments, EMA weights, OF3's per-sample gradient accumulator: about 5.5 GiB for
+the full model), which a real training run needs on top of ``peak_gib``.
 
 The model is OF3's default model with the ``train`` preset (as ``OF3ProjectEntry``
 builds it for ``run_openfold train``; 368 M parameters, 48 diffusion samples,

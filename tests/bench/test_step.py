@@ -293,3 +293,17 @@ def test_format_table_lists_every_row():
     assert "7.54" in table[1] and "140409" in table[1]
     assert "OOM" in table[2]
     assert table[3].split()[-1] == "768"
+
+
+def test_step_command(tmp_path, no_registry):
+    from click.testing import CliRunner
+
+    out = tmp_path / "rows.json"
+    args = "-p stock --config tiny --tokens 16 --n-msa 8 --n-templ 2 --repeats 1"
+    result = CliRunner().invoke(
+        step.step_command, [*args.split(), "--warmup", "0", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())
+    assert row["provider"] == "stock" and row["n_token"] == 16
+    assert "stock" in result.output.splitlines()[-1]
