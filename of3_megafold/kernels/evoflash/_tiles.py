@@ -121,15 +121,12 @@ def _load_key_mask(
     MASK, b, s, offs_n, N, stride_mb, stride_ms, stride_mn,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """``mask_bias[b, s, j]`` (fp32) for keys ``offs_n``; ``-inf`` past N.
-
-    Values below -2^29 (OF3's -1e9, or -inf) become exactly -2^30. Like -1e9 in
-    fp32 it swallows any logit below 32 in magnitude, so a query whose keys are all
-    masked sees equal logits and uniform weights, as in OF3; being a power of two,
-    its product with log2(e) is exact, so those equal logits stay equal whether the
-    compiler fuses ``s * log2(e) - c`` into one FMA or not (and -inf masks give
-    uniform weights instead of NaN).
-    """
+    """The fp32 key mask ``mask_bias[b, s, j]`` for keys ``offs_n``; ``-inf`` past
+    N. The launcher has pinned values below -2^29 (OF3's -1e9, or -inf) to -2^30:
+    like -1e9 in fp32 it swallows any logit below 32 in magnitude, so a query whose
+    keys are all masked sees equal logits and uniform weights, as in OF3; being a
+    power of two, its product with log2(e) is exact, so those logits stay equal
+    whether the compiler fuses ``s * log2(e) - c`` into one FMA or not."""
     if HAS_MASK:
         ptrs = (
             MASK
@@ -138,12 +135,9 @@ def _load_key_mask(
             + offs_n * stride_mn
         )
         if EVEN_N:
-            m = tl.load(ptrs).to(tl.float32)
-            m = tl.where(m < -536870912.0, -1073741824.0, m)
+            m = tl.load(ptrs)
         else:
-            m = tl.load(ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
-            m = tl.where(m < -536870912.0, -1073741824.0, m)
-            m = tl.where(offs_n < N, m, float("-inf"))
+            m = tl.load(ptrs, mask=offs_n < N, other=float("-inf"))
     else:
         m = tl.where(offs_n < N, 0.0, float("-inf"))
     return m

@@ -93,9 +93,21 @@ class _Inputs:
         self.mask = None
         self.mask_strides = (0, 0, 0)
         if mask_bias is not None:
-            self.mask = mask_bias
-            m = _as_5d(mask_bias).expand(B, S, 1, 1, N)
-            self.mask_strides = (m.stride(0), m.stride(1), m.stride(4))
+            m = _as_5d(mask_bias)
+            if m.shape[2:4] != (1, 1):
+                raise ValueError(
+                    f"mask_bias must broadcast to [B, S, 1, 1, N], got "
+                    f"{tuple(mask_bias.shape)}"
+                )
+            # One small [B|1, S|1, N] fp32 pass, so the kernels load fp32 key
+            # masks as is: values below -2^29 (OF3's -1e9, -inf) pinned to -2^30,
+            # a power of two that swallows logits below 32 exactly (see _tiles).
+            m = m[:, :, 0, 0, :].float()
+            m = torch.where(m < -(2.0**29), -(2.0**30), m)
+            m = m.expand(m.shape[0], m.shape[1], N).contiguous()
+            self.mask = m[:, :, None, None, :]  # what backward passes back in
+            m = m.expand(B, S, N)
+            self.mask_strides = (m.stride(0), m.stride(1), m.stride(2))
         self.bias = None
         self.bias_shape = None
         self.bias_strides = (0, 0, 0, 0)
