@@ -6,6 +6,7 @@ small; ``@pytest.mark.gpu`` cases cover realistic sizes on the GPU machine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -421,10 +422,15 @@ def sampled_replicas():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     one = replicated_structure(device)
     copies, k = SAMPLING_COPIES, 6
-    truth = one["truth"][:, 0].expand(copies, -1, -1)
-    nuc = one["nuc"].expand(copies, -1)
-    valid = (one["mask"][:, 0] > 0).expand(copies, -1)
-    plan = make_plan(truth, nuc, valid, 128, 128, False)
+    plan = make_plan(one["truth"][:, 0], one["nuc"], one["mask"][:, 0], 128, 128, False)
+    # The same plan for every copy (the structure is the same): build it once.
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    repeated = {
+        name: t.repeat(copies, *[1] * (t.dim() - 1))
+        for name, t in fields.items()
+        if torch.is_tensor(t)
+    }
+    plan = dataclasses.replace(plan, **repeated)
     nbr, counts = ball_query_search(plan, k, 2024, 1e-8)
     return {k_: v.cpu() for k_, v in one.items()}, nbr.cpu().long(), counts.cpu(), k
 

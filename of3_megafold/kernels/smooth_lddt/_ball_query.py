@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ._spatial import SpatialPlan, make_plan
-from .reference import normalize_inputs
+from .reference import per_atom_inputs
 
 SEARCH_BLOCK_ROWS = 64
 SEARCH_BLOCK_COLS = 32
@@ -129,7 +129,7 @@ def ball_query_search(
     _ball_query_kernel[(nrb, b)](
         plan.truth,
         plan.radius,
-        plan.perm.to(torch.int32),
+        plan.perm,
         plan.tiles,
         plan.n_tiles,
         slots,
@@ -186,11 +186,11 @@ def ball_query(
         truth = truth[:, None]
     b, _, n, _ = truth.shape
     dummy = truth.new_empty((b, 1, n, 3))
-    truth, nuc, valid = normalize_inputs(dummy, truth, is_nucleotide, atom_mask)
+    truth, nuc, mask = per_atom_inputs(dummy, truth, is_nucleotide, atom_mask)
     if max_neighbors < 1:
         raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
     if n >= 2**31 // max(max_neighbors, 1):
         raise ValueError("N * max_neighbors must stay below 2**31")
-    plan = make_plan(truth, nuc, valid, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
+    plan = make_plan(truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
     seed = draw_seed() if seed is None else int(seed) % (2**31)
     return ball_query_search(plan, max_neighbors, seed, eps)

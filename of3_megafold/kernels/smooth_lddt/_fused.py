@@ -33,8 +33,8 @@ def _smooth_lddt_fused_kernel(
     r_ptr,  # [B, N] fp32 inclusion radius as a row atom, 0 = masked out
     tiles_ptr,  # [B, NRB, NCB] int32
     n_tiles_ptr,  # [B, NRB] int32
-    a_ptr,  # [SPLIT, B*S, NRB] fp32 partial sum c e m
-    c_ptr,  # [SPLIT, B*S, NRB] int32 partial sum c m
+    a_ptr,  # [B*S, SPLIT, NRB] fp32 partial sum c e m
+    c_ptr,  # [B*S, SPLIT, NRB] int32 partial sum c m
     g_ptr,  # [SPLIT, B*S, 3, N] fp32 partial dA/dx
     N,
     S,
@@ -112,7 +112,7 @@ def _smooth_lddt_fused_kernel(
             g1 += tl.sum(h * v1, axis=1)
             g2 += tl.sum(h * v2, axis=1)
 
-    out = (split * BS + bs) * NRB + rb
+    out = (bs * SPLIT + split) * NRB + rb
     tl.store(a_ptr + out, tl.sum(acc_a, axis=0) * 0.25)
     tl.store(c_ptr + out, tl.sum(acc_c, axis=0))
     if COMPUTE_GRAD:
@@ -120,6 +120,79 @@ def _smooth_lddt_fused_kernel(
         tl.store(g_base + rows, g0 * 0.25, mask=row_ok)
         tl.store(g_base + N + rows, g1 * 0.25, mask=row_ok)
         tl.store(g_base + 2 * N + rows, g2 * 0.25, mask=row_ok)
+
+
+@triton.jit
+def _gather_sorted_x_kernel(
+    x_ptr,  # [B*S, N, 3] any float dtype, original order
+    perm_ptr,  # [B, N] int32 sorted position -> original index
+    xs_ptr,  # [B*S, 3, N] fp32 out, sorted order
+    N,
+    S,
+    BLOCK: tl.constexpr,
+):
+    nb = tl.program_id(0)
+    bs = tl.program_id(1)
+    pos = nb * BLOCK + tl.arange(0, BLOCK)
+    ok = pos < N
+    src = tl.load(perm_ptr + (bs // S) * N + pos, mask=ok, other=0)
+    x_base = x_ptr + bs.to(tl.int64) * N * 3 + src * 3
+    xs_base = xs_ptr + bs.to(tl.int64) * 3 * N + pos
+    for c in tl.static_range(3):
+        val = tl.load(x_base + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(xs_base + c * N, val, mask=ok)
+
+
+@triton.jit
+def _scatter_grad_kernel(
+    g_ptr,  # [SPLIT, B*S, 3, N] fp32 partial dA/dx, sorted order
+    dloss_ptr,  # [B*S] fp32 dLoss/dA
+    perm_ptr,  # [B, N] int32
+    out_ptr,  # [B*S, N, 3] fp32 out: dLoss/dx, original order
+    N,
+    S,
+    BS,
+    SPLIT,
+    BLOCK: tl.constexpr,
+):
+    nb = tl.program_id(0)
+    bs = tl.program_id(1)
+    pos = nb * BLOCK + tl.arange(0, BLOCK)
+    ok = pos < N
+    dst = tl.load(perm_ptr + (bs // S) * N + pos, mask=ok, other=0)
+    scale = tl.load(dloss_ptr + bs)
+    out_base = out_ptr + bs.to(tl.int64) * N * 3 + dst * 3
+    for c in tl.static_range(3):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for sp in range(0, SPLIT):
+            g_base = g_ptr + ((sp * BS + bs).to(tl.int64) * 3 + c) * N
+            acc += tl.load(g_base + pos, mask=ok, other=0.0)
+        tl.store(out_base + c, acc * scale, mask=ok)
+
+
+def gather_sorted_x(x: torch.Tensor, plan: SpatialPlan) -> torch.Tensor:
+    """``x [B, S, N, 3]`` (any float dtype) -> ``[B, S, 3, N]`` float32, sorted."""
+    b, s, n, _ = x.shape
+    xs = torch.empty((b, s, 3, n), device=x.device, dtype=torch.float32)
+    block = 256
+    _gather_sorted_x_kernel[(triton.cdiv(n, block), b * s)](
+        x.contiguous(), plan.perm, xs, n, s, BLOCK=block
+    )
+    return xs
+
+
+def scatter_grad(
+    g_part: torch.Tensor, dloss: torch.Tensor, plan: SpatialPlan
+) -> torch.Tensor:
+    """Sum the split partials, scale by dLoss/dA, unsort: ``[B, S, N, 3]`` float32."""
+    split, bs, _, n = g_part.shape
+    b = plan.perm.shape[0]
+    out = torch.empty((b, bs // b, n, 3), device=g_part.device, dtype=torch.float32)
+    block = 256
+    _scatter_grad_kernel[(triton.cdiv(n, block), bs)](
+        g_part, dloss.contiguous(), plan.perm, out, n, bs // b, bs, split, BLOCK=block
+    )
+    return out
 
 
 def default_split(device: torch.device, n_programs: int, max_tiles: int) -> int:
@@ -145,13 +218,14 @@ def smooth_lddt_fused_fwd(
         x_sorted: ``[B, S, 3, N]`` float32 contiguous prediction in the plan's order.
         plan: from ``make_plan(..., symmetric=True)``.
         eps: OF3's eps.
-        compute_grad: also return ``dA/dx``.
+        compute_grad: also return the partial ``dA/dx``.
         split: column splits per row block (default: fill the GPU).
         num_warps: Triton warps per program.
 
     Returns:
-        ``A [B, S]`` float64 (sum of ``c e m``), ``C [B, S]`` int64 (sum of ``c m``),
-        ``dA/dx [B, S, 3, N]`` float32 in sorted order, or None.
+        ``a_part [B * S, SPLIT, NRB]`` float32 partial sums of ``c e m``, ``c_part``
+        (same shape, int32) of ``c m``, and ``g_part [SPLIT, B * S, 3, N]`` float32
+        partial ``dA/dx`` in sorted order, or None.
     """
     b, s, three, n = x_sorted.shape
     assert three == 3 and x_sorted.dtype == torch.float32 and x_sorted.is_contiguous()
@@ -159,15 +233,14 @@ def smooth_lddt_fused_fwd(
     if split is None:
         split = default_split(x_sorted.device, b * s * nrb, ncb)
     dev = x_sorted.device
-    a_part = torch.empty((split, b * s, nrb), device=dev, dtype=torch.float32)
-    c_part = torch.empty((split, b * s, nrb), device=dev, dtype=torch.int32)
+    a_part = torch.empty((b * s, split, nrb), device=dev, dtype=torch.float32)
+    c_part = torch.empty((b * s, split, nrb), device=dev, dtype=torch.int32)
     g_part = (
         torch.empty((split, b * s, 3, n), device=dev, dtype=torch.float32)
         if compute_grad
         else a_part  # unused placeholder
     )
-    grid = (nrb, split, b * s)
-    _smooth_lddt_fused_kernel[grid](
+    _smooth_lddt_fused_kernel[(nrb, split, b * s)](
         x_sorted,
         plan.truth,
         plan.radius,
@@ -188,9 +261,4 @@ def smooth_lddt_fused_fwd(
         COMPUTE_GRAD=compute_grad,
         num_warps=num_warps,
     )
-    a_sum = a_part.double().sum(dim=(0, 2)).view(b, s)
-    c_sum = c_part.long().sum(dim=(0, 2)).view(b, s)
-    grad = None
-    if compute_grad:
-        grad = (g_part[0] if split == 1 else g_part.sum(dim=0)).view(b, s, 3, n)
-    return a_sum, c_sum, grad
+    return a_part, c_part, (g_part if compute_grad else None)

@@ -32,7 +32,7 @@ MODE_GRAD_ROWS = 2  # backward, deterministic: rows only (columns in a second pa
 
 @triton.jit
 def _neighbor_rows_kernel(
-    x_ptr,  # [B*S, N, 3] fp32, original order
+    x_ptr,  # [B*S, N, 3] any float dtype, original order
     t_ptr,  # [B, N, 3] fp32
     nbr_ptr,  # [B, N, K] int32, -1 = empty, used slots first
     count_ptr,  # [B, N] int32 in-radius counts
@@ -55,9 +55,9 @@ def _neighbor_rows_kernel(
     row_ok = rows < N
     x_base = x_ptr + bs.to(tl.int64) * N * 3
     t_base = t_ptr + b.to(tl.int64) * N * 3
-    xi0 = tl.load(x_base + rows * 3, mask=row_ok, other=0.0)
-    xi1 = tl.load(x_base + rows * 3 + 1, mask=row_ok, other=0.0)
-    xi2 = tl.load(x_base + rows * 3 + 2, mask=row_ok, other=0.0)
+    xi0 = tl.load(x_base + rows * 3, mask=row_ok, other=0.0).to(tl.float32)
+    xi1 = tl.load(x_base + rows * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+    xi2 = tl.load(x_base + rows * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
     ti0 = tl.load(t_base + rows * 3, mask=row_ok, other=0.0)
     ti1 = tl.load(t_base + rows * 3 + 1, mask=row_ok, other=0.0)
     ti2 = tl.load(t_base + rows * 3 + 2, mask=row_ok, other=0.0)
@@ -77,9 +77,9 @@ def _neighbor_rows_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (ks[None, :] < n_listed[:, None])
         j = tl.load(nbr_row[:, None] + ks[None, :], mask=ok, other=0)
-        xj0 = tl.load(x_base + j * 3, mask=ok, other=0.0)
-        xj1 = tl.load(x_base + j * 3 + 1, mask=ok, other=0.0)
-        xj2 = tl.load(x_base + j * 3 + 2, mask=ok, other=0.0)
+        xj0 = tl.load(x_base + j * 3, mask=ok, other=0.0).to(tl.float32)
+        xj1 = tl.load(x_base + j * 3 + 1, mask=ok, other=0.0).to(tl.float32)
+        xj2 = tl.load(x_base + j * 3 + 2, mask=ok, other=0.0).to(tl.float32)
         tj0 = tl.load(t_base + j * 3, mask=ok, other=0.0)
         tj1 = tl.load(t_base + j * 3 + 1, mask=ok, other=0.0)
         tj2 = tl.load(t_base + j * 3 + 2, mask=ok, other=0.0)
@@ -123,7 +123,7 @@ def _neighbor_rows_kernel(
 
 @triton.jit
 def _neighbor_cols_kernel(
-    x_ptr,  # [B*S, N, 3] fp32
+    x_ptr,  # [B*S, N, 3] any float dtype
     t_ptr,  # [B, N, 3] fp32
     count_ptr,  # [B, N] int32
     rev_ptr_ptr,  # [B, N + 1] int32 CSR offsets of the reverse lists
@@ -144,9 +144,9 @@ def _neighbor_cols_kernel(
     j_ok = js < N
     x_base = x_ptr + bs.to(tl.int64) * N * 3
     t_base = t_ptr + b.to(tl.int64) * N * 3
-    xj0 = tl.load(x_base + js * 3, mask=j_ok, other=0.0)
-    xj1 = tl.load(x_base + js * 3 + 1, mask=j_ok, other=0.0)
-    xj2 = tl.load(x_base + js * 3 + 2, mask=j_ok, other=0.0)
+    xj0 = tl.load(x_base + js * 3, mask=j_ok, other=0.0).to(tl.float32)
+    xj1 = tl.load(x_base + js * 3 + 1, mask=j_ok, other=0.0).to(tl.float32)
+    xj2 = tl.load(x_base + js * 3 + 2, mask=j_ok, other=0.0).to(tl.float32)
     tj0 = tl.load(t_base + js * 3, mask=j_ok, other=0.0)
     tj1 = tl.load(t_base + js * 3 + 1, mask=j_ok, other=0.0)
     tj2 = tl.load(t_base + js * 3 + 2, mask=j_ok, other=0.0)
@@ -165,9 +165,9 @@ def _neighbor_cols_kernel(
         n_in = tl.load(count_ptr + b * N + i, mask=ok, other=0)
         n_listed = tl.maximum(tl.minimum(n_in, K), 1)
         weight = n_in.to(tl.float32) / n_listed
-        xi0 = tl.load(x_base + i * 3, mask=ok, other=0.0)
-        xi1 = tl.load(x_base + i * 3 + 1, mask=ok, other=0.0)
-        xi2 = tl.load(x_base + i * 3 + 2, mask=ok, other=0.0)
+        xi0 = tl.load(x_base + i * 3, mask=ok, other=0.0).to(tl.float32)
+        xi1 = tl.load(x_base + i * 3 + 1, mask=ok, other=0.0).to(tl.float32)
+        xi2 = tl.load(x_base + i * 3 + 2, mask=ok, other=0.0).to(tl.float32)
         ti0 = tl.load(t_base + i * 3, mask=ok, other=0.0)
         ti1 = tl.load(t_base + i * 3 + 1, mask=ok, other=0.0)
         ti2 = tl.load(t_base + i * 3 + 2, mask=ok, other=0.0)
@@ -220,7 +220,10 @@ def neighbor_score_fwd(
     eps: float,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """``A_hat [B, S]`` float64 from fp32 ``x [B, S, N, 3]``, ``truth [B, N, 3]``."""
+    """Partial sums of ``A_hat``, ``[B * S, NRB]`` float32.
+
+    ``x [B, S, N, 3]`` contiguous (any float dtype), ``truth [B, N, 3]`` float32.
+    """
     b, s, n, _ = x.shape
     k = neighbors.shape[-1]
     nrb = -(-n // SCORE_BLOCK_ROWS)
@@ -243,7 +246,7 @@ def neighbor_score_fwd(
         MODE=MODE_LOSS,
         num_warps=num_warps,
     )
-    return a_part.double().sum(dim=1).view(b, s)
+    return a_part
 
 
 def neighbor_score_bwd(

@@ -24,29 +24,14 @@ from ._ball_query import (
     ball_query_search,
     draw_seed,
 )
-from ._fused import smooth_lddt_fused_fwd
+from ._fused import gather_sorted_x, scatter_grad, smooth_lddt_fused_fwd
+from ._loss import lddt_loss_from_sums
 from ._sparse_score import neighbor_score_bwd, neighbor_score_fwd, reverse_neighbors
 from ._spatial import make_plan
-from .reference import normalize_inputs
+from .reference import per_atom_inputs
 
 FUSED_BLOCK_ROWS = 64
 FUSED_BLOCK_COLS = 32
-
-
-def _loss_from_sums(
-    a_sum: torch.Tensor, c_sum: torch.Tensor, n_valid: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and dLoss/dA per (b, s) from the pair sums, in float64.
-
-    ``M = sum m = n (n - 1)`` exactly: the pair mask is the outer product of the atom
-    mask without the diagonal.
-    """
-    n = n_valid.double()[:, None]
-    m_sum = n * (n - 1)
-    c_mean = c_sum.double() / (m_sum + eps) + eps
-    loss = 1 - (a_sum / (m_sum + eps)) / c_mean
-    dloss_da = -1.0 / ((m_sum + eps) * c_mean)
-    return loss, dloss_da.expand_as(loss)
 
 
 class SmoothLDDTFusedFunction(torch.autograd.Function):
@@ -54,24 +39,20 @@ class SmoothLDDTFusedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, truth, is_nucleotide, atom_mask, eps, split, num_warps):
-        truth, nuc, valid = normalize_inputs(x, truth, is_nucleotide, atom_mask)
+        truth, nuc, mask = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
         b, s, n, _ = x.shape
-        plan = make_plan(truth, nuc, valid, FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
-        index = plan.perm[:, None, :, None].expand(b, s, n, 3)
-        x_sorted = torch.gather(x.float(), 2, index).transpose(2, 3).contiguous()
+        plan = make_plan(truth, nuc, mask, FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
+        x_sorted = gather_sorted_x(x, plan)
         want_grad = ctx.needs_input_grad[0]
-        a_sum, c_sum, grad = smooth_lddt_fused_fwd(
+        a_part, c_part, g_part = smooth_lddt_fused_fwd(
             x_sorted, plan, eps, want_grad, split=split, num_warps=num_warps
         )
-        loss, dloss_da = _loss_from_sums(a_sum, c_sum, plan.n_valid, eps)
+        loss, dloss_da = lddt_loss_from_sums(a_part, c_part, plan.n_valid, s, eps)
         if want_grad:
-            # Back to the original atom order, [B, S, N, 3], already times dL/dA.
-            grad = grad * dloss_da[..., None, None].float()
-            inv = plan.inv_perm[:, None, None, :].expand(b, s, 3, n)
-            grad = torch.gather(grad, 3, inv).transpose(2, 3)
-            ctx.save_for_backward(grad)
+            # dLoss/dx in the original atom order, [B, S, N, 3] float32.
+            ctx.save_for_backward(scatter_grad(g_part, dloss_da, plan))
             ctx.x_dtype = x.dtype
-        return loss.float()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -129,13 +110,14 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
         deterministic,
         neighbors,
     ):
-        truth, nuc, valid = normalize_inputs(x, truth, is_nucleotide, atom_mask)
+        truth, nuc, mask = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
         b, s, n, _ = x.shape
         if neighbors is None:
             plan = make_plan(
-                truth, nuc, valid, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False
+                truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False
             )
             nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
+            n_valid = plan.n_valid
         else:
             nbr, counts = neighbors
             if nbr.dim() != 3 or tuple(nbr.shape[:2]) != (b, n):
@@ -144,25 +126,25 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
                 raise ValueError(f"counts must be [B, N], got {tuple(counts.shape)}")
             nbr = nbr.to(torch.int32).contiguous()
             counts = counts.to(torch.int32).contiguous()
-        x32 = x.float().contiguous()
+            n_valid = (mask != 0).sum(dim=1, dtype=torch.int32)
+        x = x.contiguous()
         t32 = truth.float().contiguous()
-        a_sum = neighbor_score_fwd(x32, t32, nbr, counts, eps)
-        c_sum = counts.sum(dim=1, dtype=torch.int64)[:, None].expand(b, s)
-        loss, dloss_da = _loss_from_sums(a_sum, c_sum, valid.sum(dim=1), eps)
+        a_part = neighbor_score_fwd(x, t32, nbr, counts, eps)
+        loss, dloss_da = lddt_loss_from_sums(a_part, counts, n_valid, s, eps)
         if ctx.needs_input_grad[0]:
             saved = [x, t32, nbr, counts, dloss_da]
             if deterministic:
                 saved += list(reverse_neighbors(nbr))
             ctx.save_for_backward(*saved)
             ctx.eps = eps
-        return loss.float()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         x, t32, nbr, counts, dloss_da, *reverse = ctx.saved_tensors
-        scale = dloss_da * grad_loss.double()
+        scale = dloss_da * grad_loss.float()
         grad = neighbor_score_bwd(
-            x.float().contiguous(),
+            x,
             t32,
             nbr,
             counts,

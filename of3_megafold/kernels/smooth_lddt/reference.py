@@ -24,13 +24,13 @@ NUCLEOTIDE_CUTOFF = 30.0
 SIGMOID_SHIFTS = (0.5, 1.0, 2.0, 4.0)
 
 
-def normalize_inputs(
+def per_atom_inputs(
     x: torch.Tensor,
     truth: torch.Tensor,
     is_nucleotide: torch.Tensor,
     atom_mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check shapes and bring the per-batch inputs to ``[B, N, 3]`` / ``[B, N]``.
+    """Check shapes and view the per-batch inputs as ``[B, N, 3]`` / ``[B, N]``.
 
     Args:
         x: ``[B, S, N, 3]`` predicted positions.
@@ -40,7 +40,8 @@ def normalize_inputs(
         atom_mask: ``[B, N]`` or ``[B, 1, N]``, non-zero for atoms in the loss.
 
     Returns:
-        ``truth [B, N, 3]``, ``is_nucleotide [B, N]`` (bool), ``valid [B, N]`` (bool).
+        ``truth [B, N, 3]``, ``is_nucleotide [B, N]``, ``atom_mask [B, N]``: views,
+        dtypes unchanged.
     """
     if x.dim() != 4 or x.shape[-1] != 3:
         raise ValueError(f"x must be [B, S, N, 3], got {tuple(x.shape)}")
@@ -59,7 +60,7 @@ def normalize_inputs(
             t = t[:, 0]
         if tuple(t.shape) != (b, n):
             raise ValueError(f"{name} must be [B, N] or [B, 1, N], got {t.shape}")
-        return t != 0
+        return t
 
     return truth, per_atom(is_nucleotide, "is_nucleotide"), per_atom(atom_mask, "mask")
 
@@ -87,7 +88,8 @@ def smooth_lddt_reference(
     Returns:
         ``[B, S]`` loss per sample, dtype float64 with ``upcast``, else ``x.dtype``.
     """
-    truth, nuc, valid = normalize_inputs(x, truth, is_nucleotide, atom_mask)
+    truth, nuc, valid = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
+    nuc, valid = nuc != 0, valid != 0
     dtype = torch.float64 if upcast else x.dtype
     x = x.to(dtype)
     t = truth.to(dtype)[:, None]  # [B, 1, N, 3]
