@@ -169,6 +169,42 @@ def test_reference_matches_openfold3():
         torch.testing.assert_close(up, of3.double(), rtol=1e-5, atol=1e-6)
 
 
+# ------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("gap", [22.0, 60.0])
+def test_plan_covers_every_included_pair(symmetric, gap, device):
+    _, truth, nuc, mask = two_clusters(device, gap)
+    mask[..., 100:110] = 0
+    t, nuc_b, mask_b = truth[:, 0], nuc, mask[:, 0]
+    plan = make_plan(t, nuc_b, mask_b, 64, 32, symmetric)
+    n = t.shape[1]
+    perm, inv = plan.perm[0].long().cpu(), plan.inv_perm[0].long().cpu()
+    assert torch.equal(perm.sort().values, torch.arange(n))
+    assert torch.equal(inv[perm], torch.arange(n))
+    assert int(plan.n_valid[0]) == int((mask_b != 0).sum())
+    valid_sorted = (mask_b[0].cpu() != 0)[perm]
+    assert torch.all(valid_sorted[: int(plan.n_valid[0])]), "masked atoms sort last"
+    torch.testing.assert_close(plan.truth[0].T.cpu(), t[0].cpu()[perm])
+
+    rel = in_radius_reference(truth, nuc, mask)[0].cpu()  # rel[i, j]: c_ij m_ij
+    if symmetric:
+        rel = rel | rel.T
+    rel_sorted = rel[perm][:, perm]
+    active = torch.zeros(plan.tiles.shape[1], plan.tiles.shape[2], dtype=torch.bool)
+    for rb in range(plan.tiles.shape[1]):
+        listed = plan.tiles[0, rb, : int(plan.n_tiles[0, rb])].long().cpu()
+        assert torch.all(listed.diff() > 0), "tiles in increasing order"
+        active[rb, listed] = True
+    i, j = rel_sorted.nonzero(as_tuple=True)
+    assert torch.all(active[i // 64, j // 32]), (
+        "an included pair fell in a skipped tile"
+    )
+    if gap > 40:
+        assert not torch.all(active), "far blocks should be skipped"
+
+
 # --------------------------------------------------------------------------- fused
 
 
