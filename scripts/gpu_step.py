@@ -7,16 +7,20 @@ For each provider (default: ``stock``, ``stock-triton`` and, when the kit's regi
 offers it, ``kit`` = every available extension on): the full OF3 model (train
 preset, 368 M parameters, 48 diffusion samples, bf16 autocast) on a random batch
 with 1024 MSA rows and 4 templates, at 384 and 768 tokens (one warm-up step, then
-``--repeats`` timed steps; kernel launches counted in one profiled step at 384),
-then the largest trainable crop: one step per size on ``--ladder``, starting near
-the known limits (BASELINES.md table D: 768 stock, 1280 OF3 Triton) and walking up
-until out of memory (or down until a size fits).
+``--repeats`` timed steps; kernel launches counted in one profiled step at 384).
+Then, once every provider is timed, the largest trainable crop of each: one step
+per size on ``--ladder``, starting near the known limits (BASELINES.md table D: 768
+stock, 1280 OF3 Triton) and walking up until out of memory (or down until a size
+fits).
 
-Time on an H200, from table D: stock ~2 min (384: 4 x 7.5 s, 768: 3 x 22.5 s, 1024
-runs out of memory), stock-triton ~3 min (384, 768, then 1280 at ~70 s and 1536
-out of memory); ``kit`` adds about as much again. Rows are appended to OUT.json as
-they are measured (an interrupted run keeps them); a compact table is printed at the
-end. The logic lives in :mod:`of3_megafold.bench.step`.
+Time on an H200, from table D: timing ~1.5 min per provider (384: 4 x ~7.5 s, 768:
+3 x ~20 s), then the searches: stock ~20 s (1024 runs out of memory), stock-triton
+~2 min (1280 at ~70 s, 1536 out of memory), kit up to ~2.5 min. So about 5.5 min
+for stock and stock-triton and 9 min with kit: split long runs with
+``--providers`` (or ``--repeats 1``, ``--no-max-crop``). Rows are appended to
+OUT.json as they are measured, so a run cut short keeps what it measured; a
+compact table is printed at the end. The logic lives in
+:mod:`of3_megafold.bench.step`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import logging
 import sys
 import time
 from pathlib import Path
+
+# Run from a checkout without installing the kit.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Start near the limits BASELINES.md table D found; skips ~1 min of probing.
 MAX_CROP_START = {"stock": 1024, "stock-triton": 1280, "kit": 1280}
@@ -52,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ladder", type=_ints, default=[768, 1024, 1280, 1536])
     parser.add_argument("--no-max-crop", action="store_true")
+    parser.add_argument("--n-msa", type=int, default=1024)
+    parser.add_argument("--n-templ", type=int, default=4)
+    parser.add_argument(
+        "--config",
+        default="full",
+        help="model config; 'tiny' (with small --tokens and --ladder) is a CPU "
+        "dry run of this script",
+    )
     args = parser.parse_args(argv)
 
     logging.basicConfig(
@@ -61,20 +76,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from of3_megafold.bench.common import environment_metadata
     from of3_megafold.bench.step import (
+        available_providers,
         format_table,
-        kit_provider_updates,
         run_step_bench,
     )
 
-    if not torch.cuda.is_available():
+    if args.config == "full" and not torch.cuda.is_available():
         print("gpu_step.py needs a CUDA device", file=sys.stderr)
         return 2
     if args.providers:
         providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     else:
-        providers = ["stock", "stock-triton"]
-        if "kit" in kit_provider_updates():
-            providers.append("kit")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        offered = available_providers(device)
+        providers = [p for p in ("stock", "stock-triton", "kit") if p in offered]
     meta = environment_metadata()
     print(
         f"{meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | "
@@ -86,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_step_bench(
         providers=providers,
         tokens=args.tokens,
-        n_msa=1024,
-        n_templ=4,
-        config="full",
+        n_msa=args.n_msa,
+        n_templ=args.n_templ,
+        config=args.config,
         repeats=args.repeats,
         warmup=args.warmup,
         out_json=args.out_json,

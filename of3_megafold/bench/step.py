@@ -697,7 +697,8 @@ def run_step_bench(
     ``tokens`` (ascending), ``warmup`` steps then ``repeats`` timed steps on one
     random batch, then one profiled step counting kernel launches. A size that runs
     out of memory gives a row with ``oom: True``; larger sizes are then skipped.
-    With ``max_crop``, then search for the provider's largest trainable crop.
+    With ``max_crop``, once every provider has been timed, search each provider's
+    largest trainable crop (on a rebuilt model with the same weights).
 
     Args:
         providers: Provider names; ``None`` = :func:`available_providers`.
@@ -749,21 +750,22 @@ def run_step_bench(
         rows.append(row)
         append_rows(out_json, [row])
 
-    for provider in providers:
-        logger.info("step bench: building %s model for %s", config, provider)
-        harness = TrainingStepHarness(
-            config, provider, device, num_recycles=num_recycles
+    fits: dict[str, list[int]] = {provider: [] for provider in providers}
+    too_big: dict[str, list[int]] = {provider: [] for provider in providers}
+
+    def harness_for(provider: str) -> contextlib.closing[TrainingStepHarness]:
+        logger.info("step bench: building the %s model for %s", config, provider)
+        return contextlib.closing(
+            TrainingStepHarness(config, provider, device, num_recycles=num_recycles)
         )
-        fits: list[int] = []
-        too_big: list[int] = []
-        try:
+
+    # Every provider's timed sizes first, the (long) crop searches after, so a run
+    # cut short still holds the side-by-side comparison.
+    for provider in providers if tokens else ():
+        with harness_for(provider) as harness:
             for n_token in sorted(tokens):
-                if too_big:
-                    logger.info(
-                        "%s: skipping %d tokens (a smaller crop did not fit)",
-                        provider,
-                        n_token,
-                    )
+                if too_big[provider]:
+                    logger.info("%s: skipping %d tokens", provider, n_token)
                     continue
                 count = device.type == "cuda" and (
                     launch_tokens is None or n_token in launch_tokens
@@ -771,33 +773,23 @@ def run_step_bench(
                 fields = _measure(
                     harness, n_token, n_msa, n_templ, warmup, repeats, count
                 )
-                (too_big if fields["oom"] else fits).append(n_token)
-                emit(
-                    _row(
-                        harness,
-                        "step",
-                        n_token,
-                        n_msa,
-                        n_templ,
-                        metadata=metadata,
-                        **fields,
-                    )
-                )
+                decided = too_big if fields["oom"] else fits
+                decided[provider].append(n_token)
+                emit(_row(harness, "step", n_token, n_msa, n_templ, metadata, **fields))
                 _log_row(rows[-1])
-            if max_crop:
-                _run_max_crop(
-                    harness,
-                    n_msa,
-                    n_templ,
-                    max_crop_ladder,
-                    (max_crop_start or {}).get(provider),
-                    fits,
-                    too_big,
-                    metadata,
-                    emit,
-                )
-        finally:
-            harness.close()
+    for provider in providers if max_crop else ():
+        with harness_for(provider) as harness:
+            _run_max_crop(
+                harness,
+                n_msa,
+                n_templ,
+                max_crop_ladder,
+                (max_crop_start or {}).get(provider),
+                fits[provider],
+                too_big[provider],
+                metadata,
+                emit,
+            )
     return rows
 
 
@@ -818,15 +810,7 @@ def _run_max_crop(
             harness, n_token, n_msa, n_templ, warmup=0, repeats=1, count_launches=False
         )
         emit(
-            _row(
-                harness,
-                "max_crop_probe",
-                n_token,
-                n_msa,
-                n_templ,
-                metadata=metadata,
-                **fields,
-            )
+            _row(harness, "max_crop_probe", n_token, n_msa, n_templ, metadata, **fields)
         )
         _log_row(fields | {"provider": harness.provider, "n_token": n_token})
         return not fields["oom"]

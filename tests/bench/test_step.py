@@ -112,22 +112,25 @@ def test_disabled_losses_are_an_error(tiny_harness):
         tiny_harness.step(batch)
 
 
-def test_max_crop_stops_at_the_first_out_of_memory(tmp_path, monkeypatch, no_registry):
-    """One real step per size up to 24 tokens; from 32 tokens the step raises the
+def test_max_crop_searches_after_every_provider_is_timed(
+    tmp_path, monkeypatch, fake_registry
+):
+    """Real tiny steps, except that from a per-provider size on the step raises the
     CUDA out-of-memory error, as it would on a GPU."""
     real_step = step.TrainingStepHarness.step
+    limit = {"stock": 24, "chunk": 16}
     probed = []
 
     def step_with_memory_limit(self, batch):
         n_token = batch["token_mask"].shape[-1]
-        probed.append(n_token)
-        if n_token >= 32:
+        probed.append((self.provider, n_token))
+        if n_token > limit[self.provider]:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_step(self, batch)
 
     monkeypatch.setattr(step.TrainingStepHarness, "step", step_with_memory_limit)
     rows = step.run_step_bench(
-        providers=["stock"],
+        providers=["stock", "chunk"],
         tokens=[16],
         n_msa=8,
         n_templ=2,
@@ -139,17 +142,29 @@ def test_max_crop_stops_at_the_first_out_of_memory(tmp_path, monkeypatch, no_reg
         max_crop_ladder=[16, 24, 32, 48],
         device="cpu",
     )
-    assert probed == [16, 24, 32]
-    assert [(r["mode"], r["n_token"]) for r in rows] == [
-        ("step", 16),
-        ("max_crop_probe", 24),
-        ("max_crop_probe", 32),
-        ("max_crop", 24),
+    # Both providers timed first; then each search starts above what fitted.
+    assert probed == [
+        ("stock", 16),
+        ("chunk", 16),
+        ("stock", 24),
+        ("stock", 32),
+        ("chunk", 24),
     ]
-    assert rows[1]["oom"] is False and rows[2]["oom"] is True
-    assert rows[2]["ms"] is None
-    assert rows[3]["max_crop"] == 24
-    assert rows[3]["decided"] == {"16": True, "24": True, "32": False}
+    assert [(r["provider"], r["mode"], r["n_token"], r.get("oom")) for r in rows] == [
+        ("stock", "step", 16, False),
+        ("chunk", "step", 16, False),
+        ("stock", "max_crop_probe", 24, False),
+        ("stock", "max_crop_probe", 32, True),
+        ("stock", "max_crop", 24, None),
+        ("chunk", "max_crop_probe", 24, True),
+        ("chunk", "max_crop", 16, None),
+    ]
+    assert rows[3]["ms"] is None
+    assert rows[4]["max_crop"] == 24
+    assert rows[4]["decided"] == {"16": True, "24": True, "32": False}
+    assert rows[6]["decided"] == {"16": True, "24": False}
+    # Same weights and batch: the chunked provider computes the same losses.
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -219,8 +234,14 @@ def fake_registry(monkeypatch):
         "lma": _FakeExtension(
             {"settings": {"memory": {"train": {"use_lma": True}}}}, True
         ),
+        # A stock OF3 training setting: chunked MSA-module transitions.
         "chunk": _FakeExtension(
-            {"settings": {"memory": {"train": {"chunk_size": 4}}}}, True
+            {
+                "settings": {
+                    "memory": {"train": {"msa_module": {"swiglu_seq_chunk_size": 4}}}
+                }
+            },
+            True,
         ),
         "broken": _FakeExtension({"settings": {}}, False, "needs a Hopper GPU"),
     }
@@ -239,14 +260,18 @@ def test_kit_providers_come_from_the_registry(fake_registry):
     updates = step.kit_provider_updates()
     assert set(updates) == {"kit", "lma", "chunk"}
     assert updates["kit"] == {
-        "settings": {"memory": {"train": {"use_lma": True, "chunk_size": 4}}}
+        "settings": {
+            "memory": {
+                "train": {"use_lma": True, "msa_module": {"swiglu_seq_chunk_size": 4}}
+            }
+        }
     }
     assert step.available_providers("cpu") == ["stock", "kit", "lma", "chunk"]
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         step.provider_update("broken", "cpu")
     config = step.build_model_config("tiny", step.provider_update("kit", "cpu"))
     assert config.settings.memory.train.use_lma is True
-    assert config.settings.memory.train.chunk_size == 4
+    assert config.settings.memory.train.msa_module.swiglu_seq_chunk_size == 4
     # The registry's own dicts are never modified by merging.
     assert fake_registry.EXTENSIONS["lma"].enable_update == {
         "settings": {"memory": {"train": {"use_lma": True}}}
