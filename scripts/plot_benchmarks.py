@@ -35,7 +35,8 @@ from typing import Any
 
 KNOWN_BENCHMARKS = ("step", "attention_core", "smooth_lddt", "transition")
 SIZE_FIELDS = ("n_token", "n_atom", "n", "N", "seq_len", "n_res", "size")
-SERIES_FIELDS = ("provider", "dtype", "precision")
+SERIES_FIELDS = frozenset({"provider", "dtype", "precision"})
+SERIES_ORDER = ("provider", "dtype", "precision")
 # Text fields that never split rows into panels: they identify the run, not the case.
 IDENTITY_FIELDS = frozenset(
     {
@@ -75,6 +76,8 @@ RESULT_FIELDS = frozenset(
         "ladder",
     }
 )
+# Case fields that always get their own panels when they vary.
+ALWAYS_FACET = ("case", "mode", "config", "gpu")
 MAX_FACETS = 8
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -146,21 +149,23 @@ def choose_x_field(rows: Sequence[dict[str, Any]], requested: str | None = None)
 
 
 def series_label(row: dict[str, Any]) -> str:
-    parts = [str(row[field]) for field in SERIES_FIELDS if row.get(field) is not None]
+    parts = [str(row[field]) for field in SERIES_ORDER if row.get(field) is not None]
     return " / ".join(parts) or "rows"
 
 
 def facet_fields(rows: Sequence[dict[str, Any]], x_field: str) -> list[str]:
-    """Fields that split rows into panels: text or integer case fields (not series,
-    identity or result fields, not the x field) with more than one value."""
-    fields = []
+    """Fields that split rows into panels.
+
+    Candidates are text or integer case fields (not series, identity or result
+    fields, not the x field) with more than one value. Those in
+    :data:`ALWAYS_FACET` are kept; any other only if it tells apart rows that the
+    kept fields, the series and x do not. So a ``shape`` string spelling out the
+    size, a head count fixed by the case or a dtype fixed by the provider does not
+    split the plot into panels of one point.
+    """
+    candidates = []
     for key in sorted({key for row in rows for key in row}):
-        if (
-            key in IDENTITY_FIELDS
-            or key in SERIES_FIELDS
-            or key in RESULT_FIELDS
-            or key == x_field
-        ):
+        if key in IDENTITY_FIELDS | SERIES_FIELDS | RESULT_FIELDS or key == x_field:
             continue
         values = [row.get(key) for row in rows]
         case_like = all(
@@ -170,8 +175,17 @@ def facet_fields(rows: Sequence[dict[str, Any]], x_field: str) -> list[str]:
             for value in values
         )
         if case_like and len(set(values)) > 1:
-            fields.append(key)
-    return fields
+            candidates.append(key)
+
+    def distinct(fields: list[str]) -> int:
+        key = [*fields, *SERIES_ORDER, x_field]
+        return len({tuple(row.get(f) for f in key) for row in rows})
+
+    kept = [field for field in candidates if field in ALWAYS_FACET]
+    for field in candidates:
+        if field not in kept and distinct([*kept, field]) > distinct(kept):
+            kept.append(field)
+    return kept
 
 
 def newest_per_point(
@@ -207,7 +221,7 @@ def prepare(
     timed = [row for row in timed if _is_number(row.get(x_field))]
     facets = facet_fields(timed, x_field)
     groups: dict[tuple, dict[str, list[Point]]] = defaultdict(lambda: defaultdict(list))
-    for row in newest_per_point(timed, [*facets, *SERIES_FIELDS, x_field]):
+    for row in newest_per_point(timed, [*facets, *SERIES_ORDER, x_field]):
         facet = tuple((field, row.get(field)) for field in facets)
         groups[facet][series_label(row)].append(
             (float(row[x_field]), float(row["ms"]), memory_mib(row))
@@ -270,6 +284,15 @@ def plot(
             ax.grid(True, alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=8)
+            else:
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no data (e.g. no memory statistics on CPU)",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                )
     gpus = sorted({str(row["gpu"]) for row in rows if row.get("gpu")})
     if gpus:
         fig.suptitle(", ".join(gpus), fontsize=9)

@@ -127,3 +127,42 @@ def test_nothing_to_plot_writes_nothing(plotter, tmp_path):
     (tmp_path / "smooth_lddt.json").write_text("[]")
     assert plotter.render(tmp_path) == []
     assert list(tmp_path.glob("*.png")) == []
+
+
+def test_fields_that_only_label_points_do_not_split_panels(plotter):
+    """Attention-style rows: the case splits panels; the shape string, S, H and a
+    dtype fixed by the provider only restate the x value, case or series."""
+    rows = []
+    for case, sizes, s_fixed, heads in (
+        ("triangle", (256, 512), None, 4),
+        ("diffusion", (384, 768), 48, 16),
+    ):
+        for n in sizes:
+            for provider, bias in (("torch", "bfloat16"), ("kit-fp32", "float32")):
+                s = s_fixed or n
+                rows.append(
+                    {
+                        "case": case,
+                        "provider": provider,
+                        "shape": f"1x{s}x{n}",
+                        "N": n,
+                        "S": s,
+                        "H": heads,
+                        "bias_dtype": bias,
+                        "dtype": "bfloat16",
+                        "ms": n / 100,
+                        "peak_mib": n,
+                    }
+                )
+    x_field, groups = plotter.prepare(rows)
+    assert x_field == "N"
+    assert sorted(groups) == [(("case", "diffusion"),), (("case", "triangle"),)]
+    triangle = groups[(("case", "triangle"),)]
+    assert [p[0] for p in triangle["torch / bfloat16"]] == [256.0, 512.0]
+    # A real second case field (here the MSA depth) still gets its own panels.
+    for row in rows:
+        row["n_msa"] = 16
+    rows.append(dict(rows[0], n_msa=1024, ms=9.0))
+    rows.append(dict(rows[2], n_msa=1024, ms=9.5))
+    _, groups = plotter.prepare(rows)
+    assert (("case", "triangle"), ("n_msa", 1024)) in groups
