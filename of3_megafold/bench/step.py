@@ -404,6 +404,7 @@ class StepResult:
     peak_gib: float | None
     start_gib: float | None
     loss: dict[str, float]
+    grad_norm: float
     recycles: int
     permutation_alignment: str
 
@@ -516,14 +517,29 @@ class TrainingStepHarness:
             )
         if not all(np.isfinite(value) for value in loss.values()):
             raise FloatingPointError(f"non-finite loss in the breakdown: {loss}")
+        grad_norm = self._grad_norm()
+        if not math.isfinite(grad_norm) or grad_norm == 0.0:
+            raise FloatingPointError(f"gradient norm {grad_norm} after the step")
         return StepResult(
             ms=ms,
             peak_gib=peak_gib,
             start_gib=start_bytes / GIB if cuda else None,
             loss=loss,
+            grad_norm=grad_norm,
             recycles=int(outputs["recycles"]),
             permutation_alignment="naive" if watch.naive else "full",
         )
+
+    def _grad_norm(self) -> float:
+        # At OF3's initialisation the zero-initialised output layers make the loss
+        # independent of most weights; the gradient is not, so comparing its norm
+        # across providers checks that they really computed the same step.
+        norms = [
+            torch.linalg.vector_norm(p.grad.float())
+            for p in self.model.parameters()
+            if p.grad is not None
+        ]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
     def count_launches(self, batch: dict) -> int | None:
         """Kernel launches of one training step (``None`` off CUDA)."""
@@ -631,6 +647,7 @@ def _measure(
         "recycles": last.recycles,
         "permutation_alignment": last.permutation_alignment,
         "loss": last.loss,
+        "grad_norm": last.grad_norm,
     }
 
 
@@ -881,7 +898,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A compact text table of step rows (timed rows, probes, max-crop results)."""
     lines = [
         f"{'provider':<16} {'mode':<15} {'tokens':>6} {'s/step':>8} "
-        f"{'peak GiB':>8} {'launches':>9} {'loss':>9}"
+        f"{'peak GiB':>8} {'launches':>9} {'loss':>9} {'grad norm':>10}"
     ]
     for row in rows:
         if row.get("mode") == "max_crop":
@@ -892,12 +909,14 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         ms = row.get("ms")
         peak = row.get("peak_gib")
         loss = (row.get("loss") or {}).get("loss")
+        grad = row.get("grad_norm")
         lines.append(
             f"{row['provider']:<16} {row['mode']:<15} {row['n_token']:>6} "
             f"{'OOM' if row.get('oom') else f'{ms / 1e3:.2f}':>8} "
             f"{'' if peak is None else f'{peak:.1f}':>8} "
             f"{'' if row.get('launches') is None else row['launches']:>9} "
-            f"{'' if loss is None else f'{loss:.4f}':>9}"
+            f"{'' if loss is None else f'{loss:.4f}':>9} "
+            f"{'' if grad is None else f'{grad:.4g}':>10}"
         )
     return "\n".join(lines)
 

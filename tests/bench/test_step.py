@@ -91,6 +91,7 @@ def test_steps_are_deterministic_and_recycles_can_be_fixed(tiny_harness):
     first = harness.step(batch)
     second = harness.step(batch)
     assert first.loss == second.loss
+    assert first.grad_norm == second.grad_norm > 0
     _check_loss(first.loss)
     harness.num_recycles = 0
     fixed = harness.step(batch)
@@ -163,8 +164,9 @@ def test_max_crop_searches_after_every_provider_is_timed(
     assert rows[4]["max_crop"] == 24
     assert rows[4]["decided"] == {"16": True, "24": True, "32": False}
     assert rows[6]["decided"] == {"16": True, "24": False}
-    # Same weights and batch: the chunked provider computes the same losses.
+    # Same weights and batch: the chunked provider computes the same step.
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
+    assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.parametrize(
