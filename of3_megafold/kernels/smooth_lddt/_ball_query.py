@@ -35,6 +35,8 @@ from .reference import per_atom_inputs
 
 SEARCH_BLOCK_ROWS = 64
 SEARCH_BLOCK_COLS = 32
+# 64 x 32 tiles: 8 warps keep 8 pairs per thread, well inside the register budget.
+SEARCH_NUM_WARPS = 8
 
 
 @triton.jit
@@ -118,7 +120,11 @@ def _ball_query_kernel(
 
 
 def ball_query_search(
-    plan: SpatialPlan, max_neighbors: int, seed: int, eps: float, num_warps: int = 4
+    plan: SpatialPlan,
+    max_neighbors: int,
+    seed: int,
+    eps: float,
+    num_warps: int = SEARCH_NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the search on a plan built with ``symmetric=False``; see ``ball_query``."""
     b, _, n = plan.truth.shape

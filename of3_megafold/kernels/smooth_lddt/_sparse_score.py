@@ -24,6 +24,7 @@ from ._pair_score import lddt_pair_score
 
 SCORE_BLOCK_ROWS = 32
 SCORE_BLOCK_K = 64
+SCORE_NUM_WARPS = 8
 
 MODE_LOSS = 0  # forward: partial sums of w_i e_ij
 MODE_GRAD_ATOMIC = 1  # backward: rows in registers, columns with atomic_add
@@ -218,7 +219,7 @@ def neighbor_score_fwd(
     neighbors: torch.Tensor,
     counts: torch.Tensor,
     eps: float,
-    num_warps: int = 4,
+    num_warps: int = SCORE_NUM_WARPS,
 ) -> torch.Tensor:
     """Partial sums of ``A_hat``, ``[B * S, NRB]`` float32.
 
@@ -257,7 +258,7 @@ def neighbor_score_bwd(
     scale: torch.Tensor,
     eps: float,
     reverse: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_warps: int = 4,
+    num_warps: int = SCORE_NUM_WARPS,
 ) -> torch.Tensor:
     """``scale[b, s] * dA_hat/dx`` as ``[B, S, N, 3]`` float32.
 

@@ -68,7 +68,7 @@ def smooth_lddt_fused(
     atom_mask: torch.Tensor,
     eps: float = 1e-8,
     split: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Exact smooth lDDT loss with O(N) memory (Triton).
 
@@ -82,7 +82,7 @@ def smooth_lddt_fused(
             token loss mask broadcast to atoms times ``atom_resolved_mask``).
         eps: OF3's eps.
         split: column splits per row block (a launch detail; default fills the GPU).
-        num_warps: Triton warps per program.
+        num_warps: Triton warps per program (a launch detail).
 
     Returns:
         ``[B, S]`` float32 loss, equal to OF3's ``smooth_lddt_loss`` up to fp32
