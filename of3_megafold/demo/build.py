@@ -131,8 +131,11 @@ def demo_dir_name(stamp: dict[str, str | int] | None = None) -> str:
 def find_demo_sources() -> DemoSources:
     """Locate the mmCIFs and MSAs shipped in ``openfold3/tests/test_data``.
 
+    Also checks that biotite's bundled CCD, the source of ``components.cif``, is
+    there.
+
     Raises:
-        DemoSourceMissingError: naming each missing path and how to get it.
+        DemoSourceMissingError: naming each missing piece and how to get it.
     """
     override = os.environ.get(SOURCE_ENV_VAR)
     if override:
@@ -165,7 +168,26 @@ def find_demo_sources() -> DemoSources:
             f"${SOURCE_ENV_VAR} at tests/test_data of an OpenFold3 source checkout "
             "of the same version."
         )
+    _check_biotite_ccd()
     return DemoSources(test_data=test_data, mmcifs=mmcifs, msa_dirs=msa_dirs)
+
+
+def _check_biotite_ccd() -> None:
+    """Raise if biotite's bundled CCD subset (``components.bcif``) is missing."""
+    from biotite.structure.info.ccd import get_ccd
+
+    try:
+        get_ccd()
+    except RuntimeError as error:
+        version = _installed_version("biotite")
+        raise DemoSourceMissingError(
+            "The demo's components.cif is written from the CCD subset that biotite "
+            f"bundles, but biotite {version} has none ({error}). Some repacked "
+            "wheels drop it (biotite/structure/info/components.bcif, ~60 MB). Fix: "
+            f"reinstall the official wheel (`pip install --force-reinstall --no-deps "
+            f"biotite=={version}`), or run `python -m biotite.setup_ccd` (downloads "
+            "the CCD)."
+        ) from error
 
 
 def read_stamp(dataset_dir: Path) -> dict | None:

@@ -172,3 +172,14 @@ def test_missing_test_data_names_what_and_the_fix(tmp_path, monkeypatch):
     assert "pip install --force-reinstall" in message
     assert build.SOURCE_ENV_VAR in message
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+
+
+def test_missing_biotite_ccd_names_the_fix(tmp_path, monkeypatch):
+    from biotite.structure.info import ccd
+
+    def no_ccd():
+        raise RuntimeError("Internal CCD not found.")
+
+    monkeypatch.setattr(ccd, "get_ccd", no_ccd)
+    with pytest.raises(DemoSourceMissingError, match="biotite.setup_ccd"):
+        ensure_demo_dataset(tmp_path, progress=False)
