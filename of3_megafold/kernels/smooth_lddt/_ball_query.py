@@ -26,6 +26,8 @@ over the sample dimension. Outputs are integer tensors and carry no gradient.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import triton
 import triton.language as tl
@@ -197,6 +199,8 @@ def ball_query(
         raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
     if n >= 2**31 // max(max_neighbors, 1):
         raise ValueError("N * max_neighbors must stay below 2**31")
-    plan = make_plan(truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
     seed = draw_seed() if seed is None else int(seed) % (2**31)
-    return ball_query_search(plan, max_neighbors, seed, eps)
+    guard = torch.cuda.device(truth.device) if truth.is_cuda else nullcontext()
+    with guard:
+        plan = make_plan(truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
+        return ball_query_search(plan, max_neighbors, seed, eps)

@@ -78,6 +78,7 @@ def _neighbor_rows_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (ks[None, :] < n_listed[:, None])
         j = tl.load(nbr_row[:, None] + ks[None, :], mask=ok, other=0)
+        ok = ok & (j >= 0)  # lists passed in by the caller may have holes
         xj0 = tl.load(x_base + j * 3, mask=ok, other=0.0).to(tl.float32)
         xj1 = tl.load(x_base + j * 3 + 1, mask=ok, other=0.0).to(tl.float32)
         xj2 = tl.load(x_base + j * 3 + 2, mask=ok, other=0.0).to(tl.float32)

@@ -16,7 +16,10 @@ does; OF3 averages over samples afterwards).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._ball_query import (
     SEARCH_BLOCK_COLS,
@@ -34,6 +37,11 @@ FUSED_BLOCK_ROWS = 64
 FUSED_BLOCK_COLS = 32
 
 
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 class SmoothLDDTFusedFunction(torch.autograd.Function):
     """Exact smooth lDDT, loss and gradient in one pass (see ``_fused.py``)."""
 
@@ -41,20 +49,22 @@ class SmoothLDDTFusedFunction(torch.autograd.Function):
     def forward(ctx, x, truth, is_nucleotide, atom_mask, eps, split, num_warps):
         truth, nuc, mask = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
         b, s, n, _ = x.shape
-        plan = make_plan(truth, nuc, mask, FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
-        x_sorted = gather_sorted_x(x, plan)
         want_grad = ctx.needs_input_grad[0]
-        a_part, c_part, g_part = smooth_lddt_fused_fwd(
-            x_sorted, plan, eps, want_grad, split=split, num_warps=num_warps
-        )
-        loss, dloss_da = lddt_loss_from_sums(a_part, c_part, plan.n_valid, s, eps)
-        if want_grad:
-            # dLoss/dx in the original atom order, [B, S, N, 3] float32.
-            ctx.save_for_backward(scatter_grad(g_part, dloss_da, plan))
-            ctx.x_dtype = x.dtype
+        with _on_device(x):
+            plan = make_plan(truth, nuc, mask, FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
+            x_sorted = gather_sorted_x(x, plan)
+            a_part, c_part, g_part = smooth_lddt_fused_fwd(
+                x_sorted, plan, eps, want_grad, split=split, num_warps=num_warps
+            )
+            loss, dloss_da = lddt_loss_from_sums(a_part, c_part, plan.n_valid, s, eps)
+            if want_grad:
+                # dLoss/dx in the original atom order, [B, S, N, 3] float32.
+                ctx.save_for_backward(scatter_grad(g_part, dloss_da, plan))
+                ctx.x_dtype = x.dtype
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
         grad_x = (grad * grad_loss[..., None, None].float()).to(ctx.x_dtype)
@@ -112,46 +122,50 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
     ):
         truth, nuc, mask = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
         b, s, n, _ = x.shape
-        if neighbors is None:
-            plan = make_plan(
-                truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False
-            )
-            nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
-            n_valid = plan.n_valid
-        else:
+        if neighbors is not None:
             nbr, counts = neighbors
             if nbr.dim() != 3 or tuple(nbr.shape[:2]) != (b, n):
                 raise ValueError(f"neighbors must be [B, N, K], got {tuple(nbr.shape)}")
             if tuple(counts.shape) != (b, n):
                 raise ValueError(f"counts must be [B, N], got {tuple(counts.shape)}")
-            nbr = nbr.to(torch.int32).contiguous()
-            counts = counts.to(torch.int32).contiguous()
-            n_valid = (mask != 0).sum(dim=1, dtype=torch.int32)
-        x = x.contiguous()
-        t32 = truth.float().contiguous()
-        a_part = neighbor_score_fwd(x, t32, nbr, counts, eps)
-        loss, dloss_da = lddt_loss_from_sums(a_part, counts, n_valid, s, eps)
-        if ctx.needs_input_grad[0]:
-            saved = [x, t32, nbr, counts, dloss_da]
-            if deterministic:
-                saved += list(reverse_neighbors(nbr))
-            ctx.save_for_backward(*saved)
-            ctx.eps = eps
+        with _on_device(x):
+            if neighbors is None:
+                plan = make_plan(
+                    truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False
+                )
+                nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
+                n_valid = plan.n_valid
+            else:
+                nbr = nbr.to(torch.int32).contiguous()
+                counts = counts.to(torch.int32).contiguous()
+                n_valid = (mask != 0).sum(dim=1, dtype=torch.int32)
+            x = x.contiguous()
+            t32 = truth.float().contiguous()
+            a_part = neighbor_score_fwd(x, t32, nbr, counts, eps)
+            loss, dloss_da = lddt_loss_from_sums(a_part, counts, n_valid, s, eps)
+            if ctx.needs_input_grad[0]:
+                saved = [x, t32, nbr, counts, dloss_da]
+                if deterministic:
+                    saved += list(reverse_neighbors(nbr))
+                ctx.save_for_backward(*saved)
+                ctx.eps = eps
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
         x, t32, nbr, counts, dloss_da, *reverse = ctx.saved_tensors
         scale = dloss_da * grad_loss.float()
-        grad = neighbor_score_bwd(
-            x,
-            t32,
-            nbr,
-            counts,
-            scale,
-            ctx.eps,
-            reverse=tuple(reverse) if reverse else None,
-        )
+        with _on_device(x):
+            grad = neighbor_score_bwd(
+                x,
+                t32,
+                nbr,
+                counts,
+                scale,
+                ctx.eps,
+                reverse=tuple(reverse) if reverse else None,
+            )
         return grad.to(x.dtype), None, None, None, None, None, None, None, None
 
 
