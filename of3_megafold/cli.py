@@ -68,13 +68,59 @@ def main() -> None:
     """OpenFold3 training with the of3-megafold kit (kernels, memory, parallelism)."""
 
 
+def _overlaid(base: dict, overlays: tuple[Path, ...]) -> dict:
+    """Deep-merge overlay YAMLs (e.g. ``runner_yamls/all_on.yml``) onto a runner."""
+    from openfold3.core.config import config_utils
+
+    for overlay in overlays:
+        with _user_errors():
+            extra = config_utils.load_yaml(overlay)
+        if not isinstance(extra, dict):
+            raise click.ClickException(f"{overlay}: not a YAML mapping")
+        config_utils.deep_update(base, extra)
+    return base
+
+
+def check_model_update(runner: dict) -> None:
+    """Build the model config a runner would build, before anything is written.
+
+    OF3's own validator creates the output directory; checking the model update
+    first means a bad key or value stops the run with nothing on disk.
+    """
+    from openfold3.projects.of3_all_atom.project_entry import (
+        ModelUpdate,
+        OF3ProjectEntry,
+    )
+
+    update = ModelUpdate.model_validate(runner.get("model_update") or {})
+    OF3ProjectEntry().get_model_config_with_update(update)
+
+
+def _write_yaml(runner: dict, path: Path) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(runner, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
 @main.command()
 @click.option(
     "--runner-yaml",
     "--runner_yaml",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="OF3 runner YAML (with the kit's keys under model_update.custom). "
-    "Without it: the demo on the embedded tiny data set.",
+    "Without it: the demo on the embedded tiny data set (runner_yamls/demo.yml).",
+)
+@click.option(
+    "--overlay",
+    "overlays",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML merged on top of the runner YAML (repeatable), e.g. "
+    "runner_yamls/all_on.yml.",
 )
 @click.option("--seed", type=int, help="Initial seed for all processes.")
 @click.option("--data-seed", "--data_seed", type=int, help="Seed for the data.")
@@ -87,17 +133,22 @@ def main() -> None:
     help="Demo only: where the checkpoint, losses.csv and losses.png go.",
 )
 @click.option("--steps", type=int, help="Demo only: number of training steps.")
-def train(runner_yaml, seed, data_seed, use_tf32, output_dir, steps) -> None:
+def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -> None:
     """Train OpenFold3 with the kit active (same options as `run_openfold train`)."""
     from of3_megafold import activate
 
     with _user_errors():
         activate()
     if runner_yaml is None:
-        from of3_megafold.demo.train import run_demo_training
+        from of3_megafold.demo.train import DEFAULT_RUNNER_YAML, run_demo_training
 
+        demo_yaml = DEFAULT_RUNNER_YAML
+        if overlays:
+            demo = _load_runner_yaml(DEFAULT_RUNNER_YAML, None, None)
+            demo = _overlaid(demo, overlays)
+            demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
         with _user_errors():
-            run_demo_training(None, output_dir, steps=steps, seed=seed)
+            run_demo_training(demo_yaml, output_dir, steps=steps, seed=seed)
         return
 
     from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
@@ -107,8 +158,9 @@ def train(runner_yaml, seed, data_seed, use_tf32, output_dir, steps) -> None:
     _configure_torch_backend()
     if use_tf32:
         _enable_tf32()
-    runner_dict = _load_runner_yaml(runner_yaml, seed, data_seed)
+    runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
     with _user_errors():
+        check_model_update(runner_dict)
         expt_config = TrainingExperimentConfig.model_validate(runner_dict)
         expt_runner = TrainingExperimentRunner(expt_config)
     expt_runner.setup()

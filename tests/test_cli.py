@@ -1,0 +1,114 @@
+"""The ``of3-megafold`` command line: info, and readable configuration errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from of3_megafold.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_info_lists_every_extension_and_its_keys():
+    result = CliRunner().invoke(main, ["info"])
+    assert result.exit_code == 0, result.output
+    for name in ("smooth_lddt", "evoflash_attention", "evofusion_transitions"):
+        assert name in result.output
+    assert (
+        "model_update.custom.architecture.loss_module.diffusion.smooth_lddt_backend"
+        in (result.output)
+    )
+
+
+def test_info_json():
+    result = CliRunner().invoke(main, ["info", "--json"])
+    assert result.exit_code == 0
+    rows = {row["name"]: row for row in json.loads(result.output)}
+    assert rows["smooth_lddt"]["installed"] is True
+    assert isinstance(rows["evoflash_attention"]["available"], bool)
+
+
+@pytest.fixture
+def runner_yaml(tmp_path):
+    """The demo runner YAML with its dataset paths pointing at empty stand-ins:
+    enough for OF3's validator, which checks that paths exist."""
+    demo = (ROOT / "runner_yamls" / "demo.yml").read_text()
+    data = tmp_path / "data"
+    for sub in ("alignments", "structure_files", "reference_mols"):
+        (data / sub).mkdir(parents=True)
+    (data / "dataset_cache.json").write_text("{}")
+    (data / "components.cif").write_text("")
+    text = demo.replace("${OF3_MEGAFOLD_DEMO}", str(data)).replace(
+        "${OF3_MEGAFOLD_OUTPUT}", str(tmp_path / "out")
+    )
+    path = tmp_path / "runner.yml"
+    path.write_text(text)
+    return path
+
+
+def _overlay(tmp_path, custom) -> Path:
+    path = tmp_path / "overlay.yml"
+    path.write_text(yaml.safe_dump({"model_update": {"custom": custom}}))
+    return path
+
+
+def test_bad_kit_value_is_one_readable_error(runner_yaml, tmp_path):
+    overlay = _overlay(
+        tmp_path,
+        {
+            "architecture": {
+                "loss_module": {"diffusion": {"smooth_lddt_backend": "bal_query"}}
+            }
+        },
+    )
+    result = CliRunner().invoke(
+        main, ["train", "--runner-yaml", str(runner_yaml), "--overlay", str(overlay)]
+    )
+    assert result.exit_code == 1
+    assert "smooth_lddt_backend" in result.output
+    assert "'bal_query'" in result.output
+    assert "'dense', 'ball_query', 'fused'" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_key_still_fails_as_in_of3(runner_yaml, tmp_path):
+    overlay = _overlay(
+        tmp_path, {"settings": {"memory": {"train": {"use_evoflash_attentoin": True}}}}
+    )
+    result = CliRunner().invoke(
+        main, ["train", "--runner-yaml", str(runner_yaml), "--overlay", str(overlay)]
+    )
+    assert result.exit_code == 1
+    assert "use_evoflash_attentoin" in result.output
+    assert "locked" in result.output
+
+
+def test_every_overlay_in_runner_yamls_validates(runner_yaml):
+    """Each shipped overlay merges into a runner and passes OF3's and the kit's
+    checks (availability aside: the kernels need a GPU or the interpreter)."""
+    from openfold3.core.config import config_utils
+    from openfold3.entry_points.validator import TrainingExperimentConfig
+    from openfold3.projects.of3_all_atom.project_entry import OF3ProjectEntry
+
+    from of3_megafold import activate, registry
+
+    activate()
+    overlays = sorted(
+        p for p in (ROOT / "runner_yamls").glob("*.yml") if p.name != "demo.yml"
+    )
+    assert len(overlays) >= 4
+    for overlay in overlays:
+        runner = config_utils.load_yaml(runner_yaml)
+        config_utils.deep_update(runner, config_utils.load_yaml(overlay))
+        expt = TrainingExperimentConfig.model_validate(runner)
+        entry = OF3ProjectEntry()
+        config = entry.get_model_config_with_presets(expt.model_update.presets)
+        config.update(expt.model_update.custom)
+        for extension in registry.EXTENSIONS.values():
+            extension.check_config(config)
+        if overlay.name == "all_on.yml":
+            assert all(e.requested(config) for e in registry.EXTENSIONS.values())
