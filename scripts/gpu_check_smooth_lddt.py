@@ -238,50 +238,64 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
             print(f"{name:28} out of memory")
             torch.cuda.empty_cache()
 
-    print("\n-- pieces")
+    print("\n-- pieces (default launch first, then the alternatives swept)")
     t = truth[:, 0]
-    plan_f = make_plan(t, nuc, mask[:, 0], FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
-    plan_s = make_plan(t, nuc, mask[:, 0], SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
-    for name, plan in (("fused", plan_f), ("search", plan_s)):
-        nt = plan.n_tiles.float()
-        total = plan.tiles.shape[1] * plan.tiles.shape[2]
-        ms = bench(
-            lambda p=plan, sym=name == "fused": make_plan(
-                t, nuc, mask[:, 0], p.block_rows, p.block_cols, sym
+    fused_configs = [(FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, None, None)]
+    if sweep:
+        fused_configs += [
+            (64, 32, 4, None),
+            (64, 32, 8, 1),
+            (64, 32, 8, 4),
+            (32, 32, 4, None),
+            (32, 32, 8, None),
+            (128, 32, 8, None),
+            (64, 64, 8, None),
+            (64, 16, 4, None),
+        ]
+    for rows, cols, warps, split in fused_configs:
+        plan = make_plan(t, nuc, mask[:, 0], rows, cols, True)
+        plan_ms = bench(
+            lambda r=rows, c=cols: make_plan(t, nuc, mask[:, 0], r, c, True)
+        )
+        xs = gather_sorted_x(x, plan)
+        grad_ms = bench(
+            lambda p=plan, w=warps, s=split, xs=xs: smooth_lddt_fused_fwd(
+                xs, p, 1e-8, True, split=s, num_warps=w
             )
         )
+        loss_ms = bench(
+            lambda p=plan, w=warps, s=split, xs=xs: smooth_lddt_fused_fwd(
+                xs, p, 1e-8, False, split=s, num_warps=w
+            )
+        )
+        pairs = plan.n_tiles.sum().item() * rows * cols * x.shape[1] / 1e6
         print(
-            f"plan ({name}): {ms:.3f} ms; tiles/row block {nt.mean():.1f} "
-            f"(max {int(nt.max())}), active fraction {nt.sum().item() / total:.3f}"
+            f"fused tile {rows:3}x{cols:<3} warps={warps!s:4} split={split!s:4}: "
+            f"plan {plan_ms:.3f} ms, kernel with grad {grad_ms:.3f} ms, loss only "
+            f"{loss_ms:.3f} ms; {pairs:.0f} M pairs, "
+            f"{pairs / grad_ms / 1e3:.2f} G pairs/s"
         )
-    xs = gather_sorted_x(x, plan_f)
-    print(f"gather x: {bench(lambda: gather_sorted_x(x, plan_f)):.3f} ms")
-    for warps in (2, 4, 8) if sweep else (None,):
-        for split in (None, 1, 4) if sweep else (None,):
-            ms = bench(
-                lambda w=warps, s=split: smooth_lddt_fused_fwd(
-                    xs, plan_f, 1e-8, True, split=s, num_warps=w
-                )
-            )
-            ms_fwd = bench(
-                lambda w=warps, s=split: smooth_lddt_fused_fwd(
-                    xs, plan_f, 1e-8, False, split=s, num_warps=w
-                )
-            )
-            print(
-                f"fused kernel warps={warps} split={split!s:4}: with grad {ms:.3f} ms,"
-                f" loss only {ms_fwd:.3f} ms"
-            )
-    pairs = float((plan_f.n_tiles.sum() * FUSED_BLOCK_ROWS * FUSED_BLOCK_COLS).item())
-    print(f"fused: {pairs * x.shape[1] / 1e6:.1f} M pair evaluations per call")
+    print(f"gather x: {bench(lambda: gather_sorted_x(x, plan)):.3f} ms")
+
     t32 = t.float().contiguous()
     scale = torch.ones(1, x.shape[1], device=DEVICE)
+    search_configs = [(SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, None)]
+    if sweep:
+        search_configs += [(64, 32, 8), (32, 32, 4), (32, 32, 8), (16, 16, 2)]
+    for rows, cols, warps in search_configs:
+        plan = make_plan(t, nuc, mask[:, 0], rows, cols, False)
+        kw = {} if warps is None else {"num_warps": warps}
+        for k in (128, 256, 512) if warps is None else (256,):
+            ms = bench(
+                lambda p=plan, k=k, kw=kw: ball_query_search(p, k, 0, 1e-8, **kw)
+            )
+            print(
+                f"search tile {rows:3}x{cols:<3} warps={warps!s:4} K={k}: {ms:.3f} ms"
+            )
     for k in (128, 256, 512):
-        for warps in (4, 8) if sweep and k == 256 else (None,):
+        lists = ball_query(truth, nuc, mask, max_neighbors=k, seed=0)
+        for warps in (None, 4, 8) if sweep and k == 256 else (None,):
             kw = {} if warps is None else {"num_warps": warps}
-            ms = bench(lambda k=k, kw=kw: ball_query_search(plan_s, k, 0, 1e-8, **kw))
-            lists = ball_query_search(plan_s, k, 0, 1e-8)
-            counts = lists[1]
             fwd = bench(
                 lambda li=lists, kw=kw: neighbor_score_fwd(x, t32, *li, 1e-8, **kw)
             )
@@ -291,9 +305,8 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
                 )
             )
             print(
-                f"K={k:3} warps={warps!s:4}: search {ms:.3f} ms, score fwd {fwd:.3f} "
-                f"ms, bwd(atomic) {bwd:.3f} ms; mean count "
-                f"{counts.float().mean():.0f}"
+                f"score K={k:3} warps={warps!s:4}: fwd {fwd:.3f} ms, bwd(atomic) "
+                f"{bwd:.3f} ms; mean in-radius count {lists[1].float().mean():.0f}"
             )
 
 

@@ -3,8 +3,9 @@
 Providers, side by side in one process on the same inputs:
 
 - ``of3-dense``: OF3's own ``smooth_lddt_loss`` (dense ``[B, S, N, N]``);
-- ``of3-compile``: the same function under ``torch.compile(dynamic=False)`` (N up to
-  12000; fp32 at every size, bf16 at 7680 only, to bound the compile time);
+- ``of3-compile``: the same function under ``torch.compile(dynamic=False)``: fp32 at
+  N = 1262, 3329, 7680, 12000 and bf16 at 7680 (one Inductor compile per shape; this
+  bounds the run to about three minutes of GPU time);
 - ``kit-fused``: :func:`smooth_lddt_fused`, exact;
 - ``kit-ball-query-K``: :func:`smooth_lddt_ball_query` with ``K`` = 128, 256, 512
   (neighbour search included in every call, as in training with a fresh seed);
@@ -39,7 +40,7 @@ from of3_megafold.bench.common import (
 
 SIZES = (1262, 3329, 4000, 6000, 7680, 12000, 50000)
 QUICK_SIZES = (1262, 7680)
-COMPILE_MAX_ATOMS = 12000
+COMPILE_SIZES = {torch.float32: (1262, 3329, 7680, 12000), torch.bfloat16: (7680,)}
 BALL_QUERY_K = (128, 256, 512)
 SAMPLES = 2
 DENSITY = 0.07  # atoms per cubic angstrom
@@ -110,8 +111,7 @@ def _loss_fn(provider: str, inputs: dict[str, torch.Tensor]) -> Callable:
 
 def _providers(n_atom: int, dtype: torch.dtype, on_gpu: bool) -> list[str]:
     providers = ["of3-dense"]
-    compile_here = dtype == torch.float32 or n_atom == 7680
-    if on_gpu and n_atom <= COMPILE_MAX_ATOMS and compile_here:
+    if on_gpu and n_atom in COMPILE_SIZES[dtype]:
         providers.append("of3-compile")
     providers.append("kit-fused")
     providers += [f"kit-ball-query-{k}" for k in BALL_QUERY_K]
