@@ -471,7 +471,7 @@ def run_demo_training(
             "\n  ".join(problems),
         )
     final = recorder.rows[-1] if recorder.rows else {}
-    final_losses = {k: v for k, v in final.items() if k not in _ROW_META}
+    final_losses = {k: final[k] for k in recorder.loss_names() if k in final}
     result = {
         "output_dir": output_dir,
         "runner_yaml": resolved_yaml,
