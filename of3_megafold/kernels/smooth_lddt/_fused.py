@@ -8,8 +8,9 @@ distances, the score and, when a gradient is wanted, ``dA/dx_i`` with
 
 so every program writes only its own rows and no atomics are needed (``c`` is not
 symmetric: it depends on the row atom's type, hence both ``c_ij`` and ``c_ji``).
-The sums ``A = sum c e m`` and ``C = sum c m`` are written per program and reduced in
-torch in a fixed order, so results are bitwise reproducible.
+The sums ``A = sum c e m`` and ``C = sum c m`` and the gradient partials are written
+per program and reduced in a fixed order (``_loss.py``, ``_scatter_grad_kernel``), so
+results are bitwise reproducible.
 
 The loss is ``1 - (A / (M + eps)) / (C / (M + eps) + eps)``; ``C`` and ``M`` do not
 depend on the prediction, so ``dL/dx = dL/dA * dA/dx`` and the gradient can be
@@ -17,6 +18,8 @@ produced in the same pass as the loss (as Liger's fused linear cross-entropy doe
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -199,11 +202,17 @@ def scatter_grad(
     return out
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_split(device: torch.device, n_programs: int, max_tiles: int) -> int:
     """Column splits per row block so the grid fills the GPU (~8 programs per SM)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _sm_count(index)
     want = -(-8 * sms // max(n_programs, 1))
     return max(1, min(want, max_tiles, 16))
 
