@@ -23,7 +23,6 @@ run out of memory get a row with ``error``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from of3_megafold.bench.common import (
     is_out_of_memory,
     timed_peak,
 )
+from of3_megafold.kernels.backend import interpreter_enabled
 
 SIZES = (1262, 3329, 4000, 6000, 7680, 12000, 50000)
 QUICK_SIZES = (1262, 7680)
@@ -113,6 +113,8 @@ def _providers(n_atom: int, dtype: torch.dtype, on_gpu: bool) -> list[str]:
     providers = ["of3-dense"]
     if on_gpu and n_atom in COMPILE_SIZES[dtype]:
         providers.append("of3-compile")
+    if not (on_gpu or interpreter_enabled()):
+        return providers
     providers.append("kit-fused")
     providers += [f"kit-ball-query-{k}" for k in BALL_QUERY_K]
     providers.append("kit-ball-query-256-det")
@@ -122,13 +124,15 @@ def _providers(n_atom: int, dtype: torch.dtype, on_gpu: bool) -> list[str]:
 def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
     """Time every provider at every size and dtype; append the rows to ``out_json``.
 
-    ``quick``: N = 1262 and 7680, fp32 only (on CPU: N = 48 through the Triton
-    interpreter).
+    ``quick``: N = 1262 and 7680, fp32 only. On CPU: N = 48, the kernels through the
+    Triton interpreter when ``TRITON_INTERPRET=1`` was set before Python started.
     """
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        # The kernels run under the Triton interpreter on CPU; set before import.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not (on_gpu or interpreter_enabled()):
+        print(
+            "no CUDA device and TRITON_INTERPRET is not set: OF3 only (set "
+            "TRITON_INTERPRET=1 before starting Python to run the kernels on the CPU)"
+        )
     device = torch.device("cuda" if on_gpu else "cpu")
     if on_gpu:
         sizes = QUICK_SIZES if quick else SIZES
