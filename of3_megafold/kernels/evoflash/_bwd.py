@@ -66,40 +66,44 @@ def _evoflash_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_block(
-    dk, dv, k, v, key_mask, bias_t,
+    dk, dv, k, v, key_mask, bias_t, needs_r,
     Q_row, DO_row, LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D,
     stride_qn, stride_don, sm_scale,
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
-    PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+    PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dK/dV of one key block and one S slice, from the query block ``offs_m``.
     Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
-    dots without a layout change."""
+    dots without a layout change; the bias comes pre-transposed. ``r`` enters dS
+    through an FMA; it reaches dV (a per-query factor inside the sum) only in the
+    S slices that hold a fully masked query, ``needs_r``, so elsewhere dO goes to
+    the tensor cores as loaded."""
     q = _load_tile(Q_row, offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
-                   HIGH_PRECISION)
+                   PRECISION > 0)
     do = _load_tile(DO_row, offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
-                    HIGH_PRECISION)
+                    PRECISION > 0)
     # Rows past N: lse = +inf makes their P^T column exactly 0.
     lse = _load_rowstat(LSE_row, offs_m, N, float("inf"), EVEN_N)
     r = _load_rowstat(R_row, offs_m, N, 0.0, EVEN_N)
     delta = _load_rowstat(DELTA_row, offs_m, N, 0.0, EVEN_N)
-    s_t = _dot(k, tl.trans(q), None, HIGH_PRECISION) * sm_scale
+    s_t = _dot(k, tl.trans(q), None, PRECISION) * sm_scale
     if HAS_BIAS:
         s_t += bias_t
     if COL_MASK:
         s_t += key_mask[:, None]
     p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
-    do = _cast(do.to(tl.float32) * r[:, None], do.dtype)
-    dv = _dot(_cast(p_t, do.dtype), do, dv, HIGH_PRECISION)
-    dp_t = _dot(v, tl.trans(do), None, HIGH_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = _dot(_cast(ds_t, q.dtype), q, dk, HIGH_PRECISION)
+    dp_t = _dot(v, tl.trans(do), None, PRECISION)
+    ds_t = p_t * (dp_t * r[None, :] - delta[None, :])
+    dk = _dot(_cast(ds_t, q.dtype), q, dk, PRECISION)
+    if needs_r:
+        p_t = p_t * r[None, :]
+    dv = _dot(_cast(p_t, do.dtype), do, dv, PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _evoflash_bwd_dkdv_kernel(
-    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DK, DV,
+    Q, K, V, DO, MASK, BIAS_T, LSE, RSCALE, RFLAG, DELTA, DK, DV,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
@@ -111,7 +115,7 @@ def _evoflash_bwd_dkdv_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -130,54 +134,56 @@ def _evoflash_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     k0 = _load_tile(_row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh), offs_n,
-                    offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+                    offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     v0 = _load_tile(_row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh), offs_n,
-                    offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+                    offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     mask0 = _load_key_mask(MASK, b, s0, offs_n, N, stride_mb, stride_ms, stride_mn,
                            HAS_MASK, EVEN_N)
     Q0 = _row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh)
     DO0 = _row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh)
+    needs_r0 = tl.load(RFLAG + b * S + s0) != 0
     dk0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
         k1 = _load_tile(_row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh),
                         offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, False,
-                        HIGH_PRECISION)
+                        PRECISION > 0)
         v1 = _load_tile(_row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh),
                         offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
-                        HIGH_PRECISION)
+                        PRECISION > 0)
         mask1 = _load_key_mask(MASK, b, s1, offs_n, N, stride_mb, stride_ms,
                                stride_mn, HAS_MASK, EVEN_N)
         Q1 = _row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh)
         DO1 = _row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh)
+        needs_r1 = tl.load(RFLAG + b * S + s1) != 0
         dk1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     for start_m in range(0, N, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         if HAS_BIAS:
-            bias_t = _load_bias(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
-                                     stride_bs, stride_bh, stride_bi, EVEN_N, True)
+            bias_t = _load_bias(BIAS_T, b, s0, h, offs_n, offs_m, N, stride_bb,
+                                stride_bs, stride_bh, stride_bi, EVEN_N)
         else:
             bias_t = 0.0
         dk0, dv0 = _dkdv_query_block(
-            dk0, dv0, k0, v0, mask0, bias_t, Q0, DO0,
+            dk0, dv0, k0, v0, mask0, bias_t, needs_r0, Q0, DO0,
             _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
             _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
             stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-            HIGH_PRECISION)
+            PRECISION)
         if S_GROUP == 2:
             if BIAS_PER_S:
-                bias_t = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N, stride_bb,
-                                         stride_bs, stride_bh, stride_bi, EVEN_N, True)
+                bias_t = _load_bias(BIAS_T, b, s1, h, offs_n, offs_m, N, stride_bb,
+                                    stride_bs, stride_bh, stride_bi, EVEN_N)
             dk1, dv1 = _dkdv_query_block(
-                dk1, dv1, k1, v1, mask1, bias_t, Q1, DO1,
+                dk1, dv1, k1, v1, mask1, bias_t, needs_r1, Q1, DO1,
                 _stat_ptr(LSE, b, s1, h, S, H, N),
                 _stat_ptr(RSCALE, b, s1, h, S, H, N),
                 _stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
                 stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                HIGH_PRECISION)
+                PRECISION)
 
     g_ptrs = offs_n[:, None] * stride_gn + offs_d[None, :]
     g_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
@@ -199,12 +205,12 @@ def _ds_block(
     q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s_idx, offs_n, offs_d, N, D,
     stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice."""
     v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
-                     HIGH_PRECISION)
-    s = _dot(q, k_t, None, HIGH_PRECISION) * sm_scale
+                     PRECISION > 0)
+    s = _dot(q, k_t, None, PRECISION) * sm_scale
     if HAS_BIAS:
         s += bias
     if COL_MASK:
@@ -212,7 +218,7 @@ def _ds_block(
                                   stride_mn, HAS_MASK, EVEN_N)
         s += key_mask[None, :]
     p = tl.math.exp2(s * LOG2E - lse[:, None])
-    dp = _dot(do, v_t, None, HIGH_PRECISION)
+    dp = _dot(do, v_t, None, PRECISION)
     return p * (dp * r[:, None] - delta[:, None])
 
 
@@ -223,21 +229,21 @@ def _dq_key_block(
     stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, stride_dbi,
     sm_scale, n_rows,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
-                     HIGH_PRECISION)
+                     PRECISION > 0)
     ds = _ds_block(q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s, offs_n,
                    offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
                    sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                   HIGH_PRECISION)
+                   PRECISION)
     if STORE_DS:
         db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
         inside = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
         tl.store(db_ptrs, _cast(ds, DB_row.dtype.element_ty), mask=inside)
     if COMPUTE_DQ:
-        dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), dq, HIGH_PRECISION)
+        dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), dq, PRECISION)
     return dq
 
 
@@ -256,7 +262,7 @@ def _evoflash_bwd_dq_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
@@ -276,10 +282,10 @@ def _evoflash_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
-                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     do0 = _load_tile(_row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh),
                      offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
-                     HIGH_PRECISION)
+                     PRECISION > 0)
     lse0 = _load_rowstat(_stat_ptr(LSE, b, s0, h, S, H, N), offs_m, N, float("inf"),
                           EVEN_N)
     r0 = _load_rowstat(_stat_ptr(RSCALE, b, s0, h, S, H, N), offs_m, N, 0.0, EVEN_N)
@@ -293,10 +299,10 @@ def _evoflash_bwd_dq_kernel(
         s1 = tl.minimum(s0 + 1, S - 1)
         q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
                         offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
-                        HIGH_PRECISION)
+                        PRECISION > 0)
         do1 = _load_tile(_row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh),
                          offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
-                         HIGH_PRECISION)
+                         PRECISION > 0)
         lse1 = _load_rowstat(_stat_ptr(LSE, b, s1, h, S, H, N), offs_m, N,
                              float("inf"), EVEN_N)
         r1 = _load_rowstat(_stat_ptr(RSCALE, b, s1, h, S, H, N), offs_m, N, 0.0,
@@ -312,25 +318,25 @@ def _evoflash_bwd_dq_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias = _load_bias(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
-                                        stride_bs, stride_bh, stride_bi, EVEN_N, False)
+                                        stride_bs, stride_bh, stride_bi, EVEN_N)
         else:
             bias = 0.0
         dq0 = _dq_key_block(
             dq0, q0, do0, lse0, r0, delta0, bias, K0, V0, MASK, DB0, b, s0,
             offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb, stride_ms,
             stride_mn, stride_dbi, sm_scale, N, HAS_MASK, HAS_BIAS,
-            COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION, COMPUTE_DQ, STORE_DS)
+            COL_MASK, EVEN_N, PAD_D, PRECISION, COMPUTE_DQ, STORE_DS)
         if S_GROUP == 2:
             if BIAS_PER_S:
                 bias = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N,
                                             stride_bb, stride_bs, stride_bh,
-                                            stride_bi, EVEN_N, False)
+                                            stride_bi, EVEN_N)
             dq1 = _dq_key_block(
                 dq1, q1, do1, lse1, r1, delta1, bias, K1, V1, MASK, DB1, b, s1,
                 offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb,
                 stride_ms, stride_mn, stride_dbi, sm_scale,
                 tl.where(s0 + 1 < S, N, 0),
-                HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION,
+                HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION,
                 COMPUTE_DQ, STORE_DS)
 
     if COMPUTE_DQ:
@@ -359,7 +365,7 @@ def _evoflash_bwd_dbias_kernel(
     stride_dbp, stride_dbb, stride_dbh, stride_dbi,
     B, S, N, H, D, S_CHUNK,
     N_BUCKET, S_BUCKET,  # autotuning key only
-    HAS_MASK: tl.constexpr, HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     FUSE_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
@@ -384,20 +390,20 @@ def _evoflash_bwd_dbias_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     zero = b * 0
     bias = _load_bias(BIAS, b, zero, h, offs_m, offs_n, N, stride_bb, 0,
-                                stride_bh, stride_bi, EVEN_N, False)
+                                stride_bh, stride_bi, EVEN_N)
     dbias = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_lo = split * S_CHUNK
     s_hi = tl.minimum(S, s_lo + S_CHUNK)
     for s_idx in range(s_lo, s_hi):
         s = s_idx + zero  # a tensor under the interpreter too (int64 offsets)
         q = _load_tile(_row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh), offs_m,
-                       offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+                       offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
         do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh),
                         offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
-                        HIGH_PRECISION)
+                        PRECISION > 0)
         k_t = _load_tile(_row_ptr(K, b, s, h, stride_kb, stride_ks, stride_kh),
                          offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
-                         HIGH_PRECISION)
+                         PRECISION > 0)
         lse = _load_rowstat(_stat_ptr(LSE, b, s, h, S, H, N), offs_m, N,
                             float("inf"), EVEN_N)
         r = _load_rowstat(_stat_ptr(RSCALE, b, s, h, S, H, N), offs_m, N, 0.0, EVEN_N)
@@ -407,10 +413,10 @@ def _evoflash_bwd_dbias_kernel(
                        _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
                        b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
                        stride_mn, sm_scale, HAS_MASK, True, COL_MASK, EVEN_N,
-                       PAD_D, HIGH_PRECISION)
+                       PAD_D, PRECISION)
         dbias += ds
         if FUSE_DQ:
-            dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, HIGH_PRECISION)
+            dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, PRECISION)
             dq = dq * sm_scale
             dq_ptrs = (_row_ptr(DQ_ACC, b, s, h, stride_gb, stride_gs, stride_gh)
                        + offs_m[:, None] * stride_gn + offs_d[None, :])

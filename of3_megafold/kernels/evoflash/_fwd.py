@@ -35,14 +35,14 @@ def _fwd_key_block(
     K_row, V_row, MASK, b, s_idx, offs_n, offs_d, N, D,
     stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HIGH_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step of one S slice over the key block ``offs_n``."""
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
-                     HIGH_PRECISION)
+                     PRECISION > 0)
     v = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
-                   HIGH_PRECISION)
-    s = _dot(q, k_t, None, HIGH_PRECISION) * sm_scale
+                   PRECISION > 0)
+    s = _dot(q, k_t, None, PRECISION) * sm_scale
     if HAS_BIAS:
         s += bias
     if COL_MASK:
@@ -53,7 +53,7 @@ def _fwd_key_block(
     p = tl.math.exp2(s * LOG2E - (m_new * LOG2E)[:, None])
     alpha = tl.math.exp2((m_i - m_new) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], HIGH_PRECISION)
+    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], PRECISION)
     return acc, m_new, l_i
 
 
@@ -90,7 +90,7 @@ def _evoflash_fwd_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    HIGH_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -112,7 +112,7 @@ def _evoflash_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
-                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, HIGH_PRECISION)
+                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
     acc0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -123,7 +123,7 @@ def _evoflash_fwd_kernel(
         s1 = tl.minimum(s0 + 1, S - 1)
         q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
                         offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
-                        HIGH_PRECISION)
+                        PRECISION > 0)
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
         acc1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -134,23 +134,23 @@ def _evoflash_fwd_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias = _load_bias(BIAS, b, s0, h, offs_m, offs_n, N, stride_bb,
-                                        stride_bs, stride_bh, stride_bi, EVEN_N, False)
+                                        stride_bs, stride_bh, stride_bi, EVEN_N)
         else:
             bias = 0.0
         acc0, m0, l0 = _fwd_key_block(
             acc0, m0, l0, q0, bias, K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
             stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
-            HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, HIGH_PRECISION)
+            HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION)
         if S_GROUP == 2:
             if BIAS_PER_S:
                 bias = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N,
                                             stride_bb, stride_bs, stride_bh,
-                                            stride_bi, EVEN_N, False)
+                                            stride_bi, EVEN_N)
             acc1, m1, l1 = _fwd_key_block(
                 acc1, m1, l1, q1, bias, K1, V1, MASK, b, s1, offs_n, offs_d, N,
                 D, stride_kn, stride_vn, stride_mb, stride_ms, stride_mn,
                 sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                HIGH_PRECISION)
+                PRECISION)
 
     _fwd_store(acc0, m0, l0,
                _row_ptr(OUT, b, s0, h, stride_ob, stride_os, stride_oh),

@@ -9,6 +9,9 @@ Conventions used by every kernel of the op:
 * keys past the end of the sequence get ``-inf`` through the column mask; rows past
   the end load zeros and are never stored.
 * head dims that are not a power of two >= 16 are zero padded by masked loads.
+* ``PRECISION``: 0 computes the dots in the input dtype (tf32 for fp32 inputs),
+  1 upcasts every tile to fp32 and uses tf32 dots, 2 upcasts and uses ieee fp32
+  dots (see ``function.evoflash_attention``'s ``high_precision``).
 """
 
 import os
@@ -22,7 +25,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 if os.environ.get("TRITON_INTERPRET") == "1":
 
     @triton.jit
-    def _dot(a, b, acc, HIGH_PRECISION: tl.constexpr):
+    def _dot(a, b, acc, PRECISION: tl.constexpr):
         # The interpreter (Triton 3.9) multiplies bf16 bit patterns as integers.
         # Upcasting first computes what the tensor cores do: exact products of
         # the rounded inputs, accumulated in fp32.
@@ -46,10 +49,10 @@ else:
         return x.to(dtype)
 
     @triton.jit
-    def _dot(a, b, acc, HIGH_PRECISION: tl.constexpr):
-        """``acc + a @ b``; fp32 ieee dots in high precision, else the inputs' own
-        tensor-core precision (bf16/fp16, or tf32 for fp32 inputs)."""
-        if HIGH_PRECISION:
+    def _dot(a, b, acc, PRECISION: tl.constexpr):
+        """``acc + a @ b``: ieee fp32 for ``PRECISION == 2``, else the tiles' own
+        tensor-core precision (bf16/fp16, tf32 for fp32 tiles)."""
+        if PRECISION == 2:
             out = tl.dot(a, b, acc, input_precision="ieee")
         else:
             out = tl.dot(a, b, acc)
@@ -147,25 +150,20 @@ def _load_key_mask(
 def _load_bias(
     BIAS, b, s, h, offs_i, offs_j, N,
     stride_bb, stride_bs, stride_bh, stride_bi,
-    EVEN_N: tl.constexpr, TRANSPOSED: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
-    """``pair_bias[b, s, h, i, j]`` (fp32) as ``[I, J]`` (``[J, I]`` if
-    TRANSPOSED); zero outside the N x N square. The j stride is 1."""
+    """``pair_bias[b, s, h, i, j]`` (fp32) as an ``[I, J]`` tile, zero outside the
+    N x N square. The j stride is 1."""
     base = (
         BIAS
         + b.to(tl.int64) * stride_bb
         + s.to(tl.int64) * stride_bs
         + h.to(tl.int64) * stride_bh
     )
-    if TRANSPOSED:
-        ptrs = base + offs_j[:, None] + offs_i[None, :] * stride_bi
-        inside = (offs_j[:, None] < N) & (offs_i[None, :] < N)
-    else:
-        ptrs = base + offs_i[:, None] * stride_bi + offs_j[None, :]
-        inside = (offs_i[:, None] < N) & (offs_j[None, :] < N)
+    ptrs = base + offs_i[:, None] * stride_bi + offs_j[None, :]
     if EVEN_N:  # noqa: SIM108
         tile = tl.load(ptrs)
     else:
-        tile = tl.load(ptrs, mask=inside, other=0.0)
+        tile = tl.load(ptrs, mask=(offs_i[:, None] < N) & (offs_j[None, :] < N),
+                       other=0.0)
     return tile.to(tl.float32)
-

@@ -49,12 +49,31 @@ DKDV_CONFIGS = [
     _cfg(64, 64, 2, 4, 2),
     _cfg(128, 64, 1, 8, 2),
 ]
+# fp32 tiles (fp32 inputs or high precision) hold twice the registers: smaller.
+FWD_CONFIGS_FP32 = [
+    _cfg(64, 64, 1, 4, 2),
+    _cfg(64, 32, 1, 4, 2),
+    _cfg(128, 32, 1, 8, 2),
+]
+DQ_CONFIGS_FP32 = [
+    _cfg(64, 64, 1, 4, 2),
+    _cfg(64, 32, 1, 4, 2),
+    _cfg(128, 32, 1, 8, 2),
+]
+DKDV_CONFIGS_FP32 = [
+    _cfg(32, 64, 1, 4, 2),
+    _cfg(32, 128, 1, 8, 2),
+]
 # dbias: a BLOCK_M x BLOCK_N tile of the bias gradient owned, S walked.
 DBIAS_CONFIGS = [
     _cfg(64, 64, None, 4, 2),
     _cfg(128, 64, None, 8, 2),
     _cfg(64, 128, None, 8, 2),
-    _cfg(128, 128, None, 8, 2),
+]
+DBIAS_CONFIGS_FP32 = [
+    _cfg(64, 32, None, 4, 2),
+    _cfg(32, 64, None, 4, 2),
+    _cfg(64, 64, None, 8, 2),
 ]
 
 # Under the interpreter: small blocks so that N = 17, 33 cross block boundaries,
@@ -87,11 +106,18 @@ def _block_area(cfg) -> int:
     return cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"]
 
 
+FP32_CONFIGS = {id(c) for c in (FWD_CONFIGS_FP32 + DQ_CONFIGS_FP32
+                                 + DKDV_CONFIGS_FP32 + DBIAS_CONFIGS_FP32)}
+
+
 def prune_configs(configs, named_args, **kwargs):
-    """Drop configurations that cannot pay off for this call: paired S slices
-    when there is one slice or the bias has its own S axis, and blocks larger than
+    """Keep the configurations that can pay off for this call: the fp32-tile list
+    for fp32 inputs or high precision (else the bf16/fp16 one), no paired S slices
+    when there is one slice or the bias has its own S axis, no blocks larger than
     the sequence. Keeps at least one."""
     args = {**named_args, **kwargs}
+    fp32_tiles = args["PRECISION"] > 0 or args["Q"].dtype.itemsize == 4
+    configs = [c for c in configs if (id(c) in FP32_CONFIGS) == fp32_tiles]
     n_cap = max(16, triton.next_power_of_2(args["N"]))
     single_s = args["S"] == 1 or args.get("BIAS_PER_S", False)
     kept = []

@@ -25,7 +25,7 @@ _HEURISTICS = {
     "PAD_D": lambda a: a["D"] != a["BLOCK_D"],
     "COL_MASK": lambda a: bool(a["HAS_MASK"]) or a["N"] % a["BLOCK_N"] != 0,
 }
-_KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "HIGH_PRECISION"]
+_KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "PRECISION"]
 
 
 def _tunable(kernel, tuned_configs, key, reset_to_zero=None):
@@ -44,13 +44,15 @@ def _tunable(kernel, tuned_configs, key, reset_to_zero=None):
         return triton.autotune(**options)(kernel)
 
 
-_fwd = _tunable(_evoflash_fwd_kernel, configs.FWD_CONFIGS,
+_fwd = _tunable(_evoflash_fwd_kernel, configs.FWD_CONFIGS + configs.FWD_CONFIGS_FP32,
                 _KEY + ["HAS_BIAS", "BIAS_PER_S"])
-_dq = _tunable(_evoflash_bwd_dq_kernel, configs.DQ_CONFIGS,
+_dq = _tunable(_evoflash_bwd_dq_kernel, configs.DQ_CONFIGS + configs.DQ_CONFIGS_FP32,
                _KEY + ["HAS_BIAS", "BIAS_PER_S", "COMPUTE_DQ", "STORE_DS"])
-_dkdv = _tunable(_evoflash_bwd_dkdv_kernel, configs.DKDV_CONFIGS,
+_dkdv = _tunable(_evoflash_bwd_dkdv_kernel,
+                 configs.DKDV_CONFIGS + configs.DKDV_CONFIGS_FP32,
                  _KEY + ["HAS_BIAS", "BIAS_PER_S"])
-_dbias = _tunable(_evoflash_bwd_dbias_kernel, configs.DBIAS_CONFIGS,
+_dbias = _tunable(_evoflash_bwd_dbias_kernel,
+                  configs.DBIAS_CONFIGS + configs.DBIAS_CONFIGS_FP32,
                   _KEY + ["FUSE_DQ"], reset_to_zero=["DQ_ACC"])
 
 
@@ -58,6 +60,16 @@ def _launch(kernel, name: str, grid, **kwargs) -> None:
     if configs.INTERPRET:
         kwargs.update(configs.INTERPRETER_CONFIGS[name])
     kernel[grid](**kwargs)
+
+
+def _precision(high_precision: bool) -> int:
+    """The kernels' PRECISION: 0 dots in the input dtype; 1 fp32 tiles, tf32 dots;
+    2 fp32 tiles, ieee dots. High precision follows torch's float32 matmul
+    precision, as OF3's fp32 einsum does: ieee at "highest" (torch's default),
+    tf32 at "high"/"medium" (what ``run_openfold`` sets)."""
+    if not high_precision:
+        return 0
+    return 2 if torch.get_float32_matmul_precision() == "highest" else 1
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -137,7 +149,7 @@ class _Inputs:
             S=self.S, N=self.N, H=self.H, D=self.D,
             N_BUCKET=configs.n_bucket(self.N), S_BUCKET=configs.s_bucket(self.S),
             HAS_MASK=self.mask is not None,
-            HIGH_PRECISION=bool(high_precision),
+            PRECISION=_precision(high_precision),
             BLOCK_D=max(16, triton.next_power_of_2(self.D)),
         )
 
@@ -228,7 +240,6 @@ def evoflash_bwd(
     args = dict(
         Q=q, K=inp.k, V=inp.v, DO=do,
         MASK=inp.mask if inp.mask is not None else q,
-        BIAS=inp.bias if inp.bias is not None else q,
         LSE=lse, RSCALE=r, DELTA=delta,
         sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
@@ -238,17 +249,30 @@ def evoflash_bwd(
         stride_gb=sgb, stride_gs=sgs, stride_gn=sgn, stride_gh=sgh,
         **inp.common_args(high_precision),
     )
+    bias = inp.bias if inp.bias is not None else q
     dq = dk = dv = dbias = None
 
     if need_dkdv:
         dk = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
         dv = torch.empty_like(dk)
+        # S slices holding a query whose keys are all masked (r = 1/l there)
+        needs_r = (r < 1 - 1e-4).flatten(2).any(dim=2).to(torch.int32).contiguous()
+        bias_args = inp.bias_args()
+        bias_t = bias
+        if inp.bias is not None:
+            # A transposed copy (N^2 H elements, once) so the dK/dV kernel reads
+            # its [keys, queries] bias tiles coalesced, without an smem transpose.
+            bias_t = inp.bias.transpose(-1, -2).contiguous()
+            bte = bias_t.expand(B, S, H, N, N)
+            bias_args.update(stride_bb=bte.stride(0), stride_bs=bte.stride(1),
+                             stride_bh=bte.stride(2), stride_bi=bte.stride(3))
 
         def grid_dkdv(meta):
             return (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
-        _launch(_dkdv, "dkdv", grid_dkdv, DK=dk, DV=dv, **args, **inp.bias_args())
+        _launch(_dkdv, "dkdv", grid_dkdv, DK=dk, DV=dv, BIAS_T=bias_t,
+                RFLAG=needs_r, **args, **bias_args)
 
     need_dbias = need_dbias and inp.bias is not None
     reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
@@ -267,7 +291,7 @@ def evoflash_bwd(
                     * H * B * splits,)
 
         _launch(
-            _dbias, "dbias", grid_dbias, **args,
+            _dbias, "dbias", grid_dbias, BIAS=bias, **args,
             DQ_ACC=dq_acc, DBIAS_PART=part,
             stride_bb=sb, stride_bh=sh, stride_bi=si,
             stride_dbp=part.stride(0), stride_dbb=part.stride(1),
@@ -295,7 +319,7 @@ def evoflash_bwd(
                     * H * B,)
 
         _launch(
-            _dq, "dq", grid_dq, **args, **inp.bias_args(),
+            _dq, "dq", grid_dq, BIAS=bias, **args, **inp.bias_args(),
             DQ=dq if dq is not None else unused,
             DBIAS=dbias if store_ds else unused,
             stride_dbb=db_strides[0], stride_dbs=db_strides[1],
@@ -369,9 +393,12 @@ def evoflash_attention(
         pair_bias: optional bias broadcastable to ``[B, S, H, N, N]``, typically
             ``[B, 1, H, N, N]``; its gradient is reduced over what it broadcasts.
         scale: logit scale, default ``D ** -0.5``.
-        high_precision: fp32 ieee dots throughout (OF3's ``use_high_precision``);
-            otherwise dots run in the input dtype (tf32 for fp32 inputs) with fp32
-            softmax and accumulation.
+        high_precision: OF3's ``use_high_precision``: every tile upcast to fp32,
+            dots at torch's float32 matmul precision like OF3's fp32 einsum: ieee
+            fp32 at ``"highest"`` (torch's default; CUDA-core dots, several times
+            slower), tf32 at ``"high"`` (what ``run_openfold`` sets). Otherwise dots
+            run in the input dtype (tf32 for fp32 inputs). Softmax statistics and
+            accumulation are fp32 either way.
         deterministic: the default computes every gradient with a fixed summation
             order; False fuses dQ into the bias-gradient pass with fp32 atomics
             (one pass less, not bit-reproducible).
