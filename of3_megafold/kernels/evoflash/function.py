@@ -345,6 +345,11 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
         inp = _Inputs(q, k, v, mask_bias, pair_bias)
         if scale is None:
             scale = inp.D ** -0.5
+        ctx.empty = q.numel() == 0
+        if ctx.empty:
+            ctx.bias_shape = inp.bias_shape
+            return torch.empty((inp.B, inp.S, inp.N, inp.H, inp.D), dtype=q.dtype,
+                               device=q.device)
         o, lse, r = evoflash_fwd(inp, scale, high_precision)
         ctx.save_for_backward(inp.q, inp.k, inp.v, inp.mask, inp.bias, o, lse, r)
         ctx.bias_shape = inp.bias_shape
@@ -355,6 +360,12 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        if ctx.empty:
+            grads = [torch.zeros_like(do) if need else None
+                     for need in ctx.needs_input_grad[:3]]
+            bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
+                         if ctx.needs_input_grad[4] else None)
+            return (*grads, None, bias_grad, None, None, None)
         q, k, v, mask, bias, o, lse, r = ctx.saved_tensors
         need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
         # the saved bias is the 5-d view the kernels read; its gradient takes the
