@@ -17,9 +17,14 @@ registers: no atomics, a fixed summation order, bit-reproducible gradients.
   ``FUSE_DQ`` it also adds ``scale dS K`` to an fp32 dQ with atomics, which saves
   the dQ kernel's pass over the exponentials at the price of determinism.
 
-Every kernel recomputes ``P = exp2(log2(e) s - lse) * r`` (see ``_fwd``); ``r`` is
-folded into ``dO`` (dK/dV kernel) or into ``dP`` with one FMA (the others), never
-applied to the ``[BLOCK, BLOCK]`` tile.
+Every kernel recomputes ``P = exp2(log2(e) s - lse) * r`` (see ``_fwd``). ``r`` enters
+``dS = p (r dP - r delta)`` through one FMA (``delta`` is stored times ``r``); only
+the dK/dV kernel's ``dV = P^T dO`` needs it on the tile itself, and only in the S
+slices that hold a fully masked query, flagged per slice by the launcher.
+
+Pass count: at OF3's triangle shapes the exponentials, not the dots, bound the
+time; the deterministic backward recomputes P three times (dK/dV, dQ, dbias), the
+atomic variant twice.
 """
 
 import triton
