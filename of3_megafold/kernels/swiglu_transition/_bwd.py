@@ -31,31 +31,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from of3_megafold.kernels.backend import interpreter_enabled
 from of3_megafold.kernels.swiglu_transition._fwd import (
     _mm,
     _out_weight_tile_cn,
     _round,
     _sigmoid,
     _weight_tile_kn,
+    even_weights,
+    tuning_space,
 )
 
 
 @triton.jit
-def _recompute_rows(
-    X, LN_W, LN_B, MEAN, RSTD, DY, MASK,
-    rows, cols, row_ok, col_ok, stride_x, stride_dy,
-    NORMALIZE: tl.constexpr, HAS_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+def _normalized_rows(
+    X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
+    NORMALIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
 ):  # fmt: skip
-    """``(xn, xhat, rstd, dy)`` of a row block: the matmul input in the compute
-    dtype, the fp32 normalised rows (zero outside), their rstd, and the masked
-    output gradient in the compute dtype (zero on padded rows, so padded rows add
-    nothing to any sum)."""
-    rows64 = rows.to(tl.int64)
+    """``(xn, xhat, rstd)`` of a row block: the matmul input in the compute dtype,
+    the fp32 normalised rows (zero outside) and their rstd (1 without LayerNorm)."""
     io_mask = row_ok[:, None] & col_ok[None, :]
     x = tl.load(
-        X + rows64[:, None] * stride_x + cols[None, :], mask=io_mask, other=0.0
+        X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :],
+        mask=io_mask,
+        other=0.0,
     ).to(tl.float32)
     if NORMALIZE:
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
@@ -68,42 +66,48 @@ def _recompute_rows(
         rstd = tl.full((rows.shape[0],), 1.0, tl.float32)
         xhat = x
         xn = _round(x, COMPUTE_DTYPE, INTERPRETER)
+    return xn, xhat, rstd
+
+
+@triton.jit
+def _masked_grad_rows(
+    DY, MASK, rows, cols, row_ok, col_ok, stride_dy,
+    HAS_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
+):  # fmt: skip
+    """The output gradient of a row block times the row mask, in the compute dtype
+    (zero on padded rows, so padded rows add nothing to any sum)."""
     dy = tl.load(
-        DY + rows64[:, None] * stride_dy + cols[None, :], mask=io_mask, other=0.0
+        DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :],
+        mask=row_ok[:, None] & col_ok[None, :],
+        other=0.0,
     ).to(tl.float32)
     if HAS_MASK:
         row_mask = tl.load(MASK + rows, mask=row_ok, other=0.0).to(tl.float32)
         dy = dy * row_mask[:, None]
-    return xn, xhat, rstd, _round(dy, COMPUTE_DTYPE, INTERPRETER)
+    return _round(dy, COMPUTE_DTYPE, INTERPRETER)
 
 
-def bwd_input_configs() -> list[triton.Config]:
-    """Autotuning space of the input-gradient kernel."""
-    if interpreter_enabled():
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_H": 32}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w, num_stages=s)
-        for bm, bh, w, s in (
-            (128, 64, 8, 3),
-            (128, 32, 8, 3),
-            (64, 64, 4, 3),
-            (64, 128, 8, 3),
-        )
-    ]
-
+# The spill-free sm_90 builds at c = 128 (the first three) and c = 64 (all).
+BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE = tuning_space(
+    half=[(128, 32, 8, 3), (64, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3),
+          (64, 64, 8, 3)],
+    single=[(32, 32, 4, 2), (64, 32, 8, 2)],
+)  # fmt: skip
 
 # Rows of the LayerNorm-gradient partial buffer: one per program of the smallest
 # BLOCK_M in the autotuning space (larger blocks leave the tail rows at zero).
-MIN_BWD_INPUT_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in bwd_input_configs())
+MIN_BWD_INPUT_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in BWD_INPUT_CONFIGS)
 
 
 @triton.autotune(
-    configs=bwd_input_configs(),
+    configs=BWD_INPUT_CONFIGS,
     key=["C", "H", "NORMALIZE", "HAS_MASK"],
+    prune_configs_by=BWD_INPUT_PRUNE,
     # Configs with a larger BLOCK_M write fewer partial rows: the benchmarking runs
     # must not leave stale rows behind.
     reset_to_zero=["DLN_W_PART", "DLN_B_PART"],
 )
+@triton.heuristics({"EVEN_WEIGHTS": even_weights})
 @triton.jit
 def _swiglu_transition_bwd_input_kernel(
     X, LN_W, LN_B, W_A, W_B, W_OUT, MASK, DY, MEAN, RSTD,
@@ -121,24 +125,29 @@ def _swiglu_transition_bwd_input_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EVEN_WEIGHTS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_C)
     row_ok = rows < M
     col_ok = cols < C
-    xn, xhat, rstd, dy = _recompute_rows(
-        X, LN_W, LN_B, MEAN, RSTD, DY, MASK, rows, cols, row_ok, col_ok,
-        stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty, INTERPRETER,
+    dtype = W_A.dtype.element_ty
+    xn, _, _ = _normalized_rows(
+        X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
+        NORMALIZE, dtype, INTERPRETER,
     )  # fmt: skip
+    dy = _masked_grad_rows(
+        DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype, INTERPRETER
+    )
 
     dxn = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k in range(0, H, BLOCK_H):
         hid = k + tl.arange(0, BLOCK_H)
         h_ok = hid < H
-        w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
-        w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
-        w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
+        w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+        w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+        w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
         a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
         b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
         dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
@@ -149,6 +158,12 @@ def _swiglu_transition_bwd_input_kernel(
         dxn = _mm(db, tl.trans(w_b), dxn, INPUT_PRECISION, INTERPRETER)
 
     if NORMALIZE:
+        # Reloaded rather than kept: the fp32 rows would hold 64 registers per
+        # thread through the whole loop (at BLOCK_M = BLOCK_C = 128, 8 warps).
+        _, xhat, rstd = _normalized_rows(
+            X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
+            NORMALIZE, dtype, INTERPRETER,
+        )  # fmt: skip
         if LN_GRAD:
             tl.store(DLN_W_PART + pid * C + cols, tl.sum(dxn * xhat, axis=0), col_ok)
             tl.store(DLN_B_PART + pid * C + cols, tl.sum(dxn, axis=0), col_ok)
@@ -169,29 +184,26 @@ def _swiglu_transition_bwd_input_kernel(
         )
 
 
-def bwd_weight_configs() -> list[triton.Config]:
-    """Autotuning space of the weight-gradient kernel. Its three ``[BLOCK_H, C]``
-    fp32 accumulators live in registers for the whole program, so the tiles are
-    smaller than in the other two kernels."""
-    if interpreter_enabled():
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_H": 16}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w, num_stages=s)
-        for bm, bh, w, s in (
-            (64, 64, 8, 3),
-            (64, 32, 4, 3),
-            (128, 32, 8, 3),
-            (128, 64, 8, 2),
-        )
-    ]
+# The three [C, BLOCK_H] fp32 accumulators live in registers for the whole program,
+# so the hidden chunks are narrower than in the other two kernels. At c = 128 even
+# these spill a little on sm_90 (tens of spill instructions); at c = 64 all but the
+# last compile without spills.
+BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE = tuning_space(
+    half=[(64, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3),
+          (128, 64, 8, 3)],
+    single=[(32, 32, 4, 2), (64, 16, 4, 2)],
+    interpreter_block_h=16,
+)  # fmt: skip
 
 
 @triton.autotune(
-    configs=bwd_weight_configs(),
+    configs=BWD_WEIGHT_CONFIGS,
     key=["C", "H", "NORMALIZE", "HAS_MASK"],
+    prune_configs_by=BWD_WEIGHT_PRUNE,
     # The number of row splits depends on BLOCK_H; unused split rows must be zero.
     reset_to_zero=["DW_A_PART", "DW_B_PART", "DW_OUT_PART"],
 )
+@triton.heuristics({"EVEN_WEIGHTS": even_weights})
 @triton.jit
 def _swiglu_transition_bwd_weight_kernel(
     X, LN_W, LN_B, W_A, W_B, W_OUT, MASK, DY, MEAN, RSTD,
@@ -209,29 +221,38 @@ def _swiglu_transition_bwd_weight_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    EVEN_WEIGHTS: tl.constexpr,
 ):  # fmt: skip
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
+    dtype = W_A.dtype.element_ty
     hid = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_C)
     h_ok = hid < H
     col_ok = cols < C
     # This program's chunk of the weights stays in registers / shared memory.
-    w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C)
-    w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C)
-    w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H)
+    w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+    w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+    w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
 
-    dw_a = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-    dw_b = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    # All three accumulators are [BLOCK_C, BLOCK_H] (dw_a, dw_b transposed): every
+    # weight-gradient matmul then has M = BLOCK_C, a full tensor-core tile, whatever
+    # BLOCK_H is.
+    dw_a = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
+    dw_b = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
     dw_out = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
     # Row blocks are dealt round-robin, so every split gets the same share.
     for block in range(split, tl.cdiv(M, BLOCK_M), n_splits):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        xn, xhat, rstd, dy = _recompute_rows(
-            X, LN_W, LN_B, MEAN, RSTD, DY, MASK, rows, cols, row_ok, col_ok,
-            stride_x, stride_dy, NORMALIZE, HAS_MASK, W_A.dtype.element_ty, INTERPRETER,
+        xn, _, _ = _normalized_rows(
+            X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
+            NORMALIZE, dtype, INTERPRETER,
+        )  # fmt: skip
+        dy = _masked_grad_rows(
+            DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype,
+            INTERPRETER,
         )  # fmt: skip
         a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
         b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
@@ -241,17 +262,20 @@ def _swiglu_transition_bwd_weight_kernel(
             h = _round(silu * b, xn.dtype, INTERPRETER)
             dw_out = _mm(tl.trans(dy), h, dw_out, INPUT_PRECISION, INTERPRETER)
         if NEED_DW_AB:
+            # d(h)/d(a), formed before the next matmul so that only two fp32
+            # tiles (silu, gate) stay live across it instead of four (a, b, sig, silu)
+            gate = b * sig * (1.0 + a * (1.0 - sig))
             dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
             db = _round(dh * silu, xn.dtype, INTERPRETER)
-            da = _round(dh * b * sig * (1.0 + a * (1.0 - sig)), xn.dtype, INTERPRETER)
-            dw_a = _mm(tl.trans(da), xn, dw_a, INPUT_PRECISION, INTERPRETER)
-            dw_b = _mm(tl.trans(db), xn, dw_b, INPUT_PRECISION, INTERPRETER)
+            da = _round(dh * gate, xn.dtype, INTERPRETER)
+            dw_a = _mm(tl.trans(xn), da, dw_a, INPUT_PRECISION, INTERPRETER)
+            dw_b = _mm(tl.trans(xn), db, dw_b, INPUT_PRECISION, INTERPRETER)
 
-    part_hc = split * H * C + hid[:, None] * C + cols[None, :]
-    mask_hc = h_ok[:, None] & col_ok[None, :]
+    mask_ch = col_ok[:, None] & h_ok[None, :]
     if NEED_DW_AB:
-        tl.store(DW_A_PART + part_hc, dw_a, mask=mask_hc)
-        tl.store(DW_B_PART + part_hc, dw_b, mask=mask_hc)
+        part_hc = split * H * C + hid[None, :] * C + cols[:, None]
+        tl.store(DW_A_PART + part_hc, dw_a, mask=mask_ch)
+        tl.store(DW_B_PART + part_hc, dw_b, mask=mask_ch)
     if NEED_DW_OUT:
         part_ch = split * C * H + cols[:, None] * H + hid[None, :]
-        tl.store(DW_OUT_PART + part_ch, dw_out, mask=col_ok[:, None] & h_ok[None, :])
+        tl.store(DW_OUT_PART + part_ch, dw_out, mask=mask_ch)

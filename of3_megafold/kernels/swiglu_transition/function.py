@@ -22,10 +22,10 @@ import triton
 
 from of3_megafold.kernels.backend import interpreter_enabled
 from of3_megafold.kernels.swiglu_transition._bwd import (
+    BWD_WEIGHT_CONFIGS,
     MIN_BWD_INPUT_BLOCK_M,
     _swiglu_transition_bwd_input_kernel,
     _swiglu_transition_bwd_weight_kernel,
-    bwd_weight_configs,
 )
 from of3_megafold.kernels.swiglu_transition._fwd import _swiglu_transition_fwd_kernel
 from of3_megafold.kernels.swiglu_transition.reference import (
@@ -192,7 +192,7 @@ def swiglu_transition_bwd(
         num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
         splits = max(
             _weight_splits(m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms)
-            for cfg in bwd_weight_configs()
+            for cfg in BWD_WEIGHT_CONFIGS
         )
         shape_hc = (splits, h, c) if need_dw_ab else (1, 1, 1)
         dw_a_part = torch.zeros(shape_hc, device=dev, dtype=torch.float32)
