@@ -94,17 +94,14 @@ BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE = tuning_space(
     single=[(32, 32, 4, 2), (64, 32, 8, 2)],
 )  # fmt: skip
 
-# Rows of the LayerNorm-gradient partial buffer: one per program of the smallest
-# BLOCK_M in the autotuning space (larger blocks leave the tail rows at zero).
-MIN_BWD_INPUT_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in BWD_INPUT_CONFIGS)
-
 
 @triton.autotune(
     configs=BWD_INPUT_CONFIGS,
     key=["C", "H", "NORMALIZE", "HAS_MASK"],
     prune_configs_by=BWD_INPUT_PRUNE,
-    # Configs with a larger BLOCK_M write fewer partial rows: the benchmarking runs
-    # must not leave stale rows behind.
+    # The partial buffers have a row per program of the smallest BLOCK_M; configs
+    # with a larger one write fewer rows, and benchmarking must not leave stale
+    # rows behind.
     reset_to_zero=["DLN_W_PART", "DLN_B_PART"],
 )
 @triton.heuristics({"EVEN_WEIGHTS": even_weights})

@@ -22,8 +22,10 @@ import triton
 
 from of3_megafold.kernels.backend import interpreter_enabled
 from of3_megafold.kernels.swiglu_transition._bwd import (
+    BWD_INPUT_CONFIGS,
+    BWD_INPUT_PRUNE,
     BWD_WEIGHT_CONFIGS,
-    MIN_BWD_INPUT_BLOCK_M,
+    BWD_WEIGHT_PRUNE,
     _swiglu_transition_bwd_input_kernel,
     _swiglu_transition_bwd_weight_kernel,
 )
@@ -69,6 +71,14 @@ def _kernel_flags(compute_dtype: torch.dtype) -> dict:
         "FAST_SIGMOID": compute_dtype != torch.float32 and not interpret,
         "INTERPRETER": interpret,
     }
+
+
+def _candidate_configs(configs, prune, w_a: torch.Tensor) -> list[triton.Config]:
+    """The configs the autotuner may pick for weights like ``w_a`` (buffers whose
+    size depends on the config are sized for all of them)."""
+    if not prune:
+        return configs
+    return prune["early_config_prune"](configs, {"W_A": w_a})
 
 
 def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> int:
@@ -170,7 +180,11 @@ def swiglu_transition_bwd(
 
     if need_dx or need_dln:
         dx = torch.empty_like(x) if need_dx else None
-        parts = triton.cdiv(m, MIN_BWD_INPUT_BLOCK_M) if need_dln else 1
+        min_block_m = min(
+            cfg.kwargs["BLOCK_M"]
+            for cfg in _candidate_configs(BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE, w_a)
+        )
+        parts = triton.cdiv(m, min_block_m) if need_dln else 1
         dln_w_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
         dln_b_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
 
@@ -192,7 +206,7 @@ def swiglu_transition_bwd(
         num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
         splits = max(
             _weight_splits(m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms)
-            for cfg in BWD_WEIGHT_CONFIGS
+            for cfg in _candidate_configs(BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE, w_a)
         )
         shape_hc = (splits, h, c) if need_dw_ab else (1, 1, 1)
         dw_a_part = torch.zeros(shape_hc, device=dev, dtype=torch.float32)
@@ -271,6 +285,7 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
