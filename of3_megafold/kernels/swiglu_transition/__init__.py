@@ -4,6 +4,7 @@
 
 from of3_megafold.kernels.swiglu_transition.function import (
     SwiGLUTransitionFunction,
+    interleave_ab,
     swiglu_mlp,
     swiglu_transition,
     swiglu_transition_bwd,
@@ -15,6 +16,7 @@ from of3_megafold.kernels.swiglu_transition.reference import (
 
 __all__ = [
     "SwiGLUTransitionFunction",
+    "interleave_ab",
     "swiglu_mlp",
     "swiglu_transition",
     "swiglu_transition_bwd",

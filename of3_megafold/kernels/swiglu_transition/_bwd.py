@@ -2,7 +2,7 @@
 
 Nothing of the ``[rows, n*c]`` hidden activations was kept by the forward pass; both
 kernels recompute ``xn = LN(x)`` from ``x`` and the saved per-row mean / rstd, and
-``a = xn w_a^T``, ``b = xn w_b^T``, ``dh = dy w_out`` chunk by chunk, with
+``[a | b] = xn w_ab^T``, ``dh = dy w_out`` chunk by chunk, with
 (``s = sigmoid(a)``)::
 
     h  = a s b
@@ -11,19 +11,22 @@ kernels recompute ``xn = LN(x)`` from ``x`` and the saved per-row mean / rstd, a
 
 The input gradient wants a sum over the hidden dimension for each row; the weight
 gradients want a sum over all rows for each hidden unit. One schedule cannot hold
-both sums in registers (the weight gradients of one ``[128, 512]`` transition are
-768 KiB in fp32) and flushing partial weight gradients per row block costs more
-L2/atomic traffic than recomputing ``a, b, dh``. So there are two kernels, the
-split that flash-attention's backward makes between dQ and dK/dV:
+both sums in registers (the weight gradients of one c=128, n=4 transition are
+768 KiB in fp32), and flushing partial weight gradients per row block (atomics or
+read-modify-write) moves more data through L2 than recomputing ``a, b, dh`` costs
+in tensor-core time. So there are two kernels, the split flash-attention's
+backward makes between dQ and dK/dV:
 
 * ``_swiglu_transition_bwd_input_kernel``: a program per ``BLOCK_M`` rows loops over
-  hidden chunks, accumulates ``dxn = da w_a + db w_b`` in fp32 registers, then does
+  hidden chunks, accumulates ``dxn = [da | db] w_ab`` in fp32 registers, then does
   the LayerNorm backward in place and writes ``dx`` plus per-program partial sums
-  for the LayerNorm scale/offset gradients. Five matmuls per chunk.
+  for the LayerNorm scale/offset gradients. Three matmuls per chunk
+  (``xn w_ab^T``, ``dy w_out``, ``[da | db] w_ab``), 5 GEMM-equivalents of work.
 * ``_swiglu_transition_bwd_weight_kernel``: a program per (hidden chunk, row split)
-  keeps ``dw_a, dw_b, dw_out`` of its chunk in fp32 registers while it walks its
+  keeps ``dw_ab`` and ``dw_out`` of its chunk in fp32 registers while it walks its
   share of the row blocks, and writes them to a per-split partial buffer that the
-  launcher sums (deterministic, no atomics). Six matmuls per chunk.
+  launcher sums (deterministic, no atomics). Four matmuls per row block, 6
+  GEMM-equivalents.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import triton
 import triton.language as tl
 
 from of3_megafold.kernels.swiglu_transition._fwd import (
+    _join_ab,
     _mm,
     _out_weight_tile_cn,
     _round,
     _sigmoid,
+    _split_ab,
     _weight_tile_kn,
     even_weights,
     tuning_space,
@@ -87,10 +92,11 @@ def _masked_grad_rows(
     return _round(dy, COMPUTE_DTYPE, INTERPRETER)
 
 
-# The spill-free sm_90 builds at c = 128 (the first three) and c = 64 (all).
+# The first three compile for sm_90 without register spills at c = 128 (triton
+# 3.9's ptxas), all of them at c = 64.
 BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE = tuning_space(
-    half=[(128, 32, 8, 3), (64, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3),
-          (64, 64, 8, 3)],
+    half=[(128, 32, 8, 3), (64, 32, 8, 3), (64, 64, 8, 3), (128, 32, 8, 4),
+          (128, 64, 8, 3)],
     single=[(32, 32, 4, 2), (64, 32, 8, 2)],
 )  # fmt: skip
 
@@ -107,7 +113,7 @@ BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE = tuning_space(
 @triton.heuristics({"EVEN_WEIGHTS": even_weights})
 @triton.jit
 def _swiglu_transition_bwd_input_kernel(
-    X, LN_W, LN_B, W_A, W_B, W_OUT, MASK, DY, MEAN, RSTD,
+    X, LN_W, LN_B, W_AB, W_OUT, MASK, DY, MEAN, RSTD,
     DX,  # [M, C] written when STORE_DX
     DLN_W_PART,  # [>= programs, C] fp32, row pid written when LN_GRAD
     DLN_B_PART,
@@ -129,7 +135,7 @@ def _swiglu_transition_bwd_input_kernel(
     cols = tl.arange(0, BLOCK_C)
     row_ok = rows < M
     col_ok = cols < C
-    dtype = W_A.dtype.element_ty
+    dtype = W_AB.dtype.element_ty
     xn, _, _ = _normalized_rows(
         X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
         NORMALIZE, dtype, INTERPRETER,
@@ -142,17 +148,17 @@ def _swiglu_transition_bwd_input_kernel(
     for k in range(0, H, BLOCK_H):
         hid = k + tl.arange(0, BLOCK_H)
         h_ok = hid < H
-        w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
-        w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+        hid2 = 2 * k + tl.arange(0, 2 * BLOCK_H)
+        w_ab = _weight_tile_kn(W_AB, hid2, cols, hid2 < 2 * H, col_ok, C, EVEN_WEIGHTS)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
-        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
-        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
+        ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
         dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
+        a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
         sig = _sigmoid(a, FAST_SIGMOID)
-        db = _round(dh * a * sig, xn.dtype, INTERPRETER)
-        da = _round(dh * b * sig * (1.0 + a * (1.0 - sig)), xn.dtype, INTERPRETER)
-        dxn = _mm(da, tl.trans(w_a), dxn, INPUT_PRECISION, INTERPRETER)
-        dxn = _mm(db, tl.trans(w_b), dxn, INPUT_PRECISION, INTERPRETER)
+        db = dh * a * sig
+        da = dh * b * sig * (1.0 + a * (1.0 - sig))
+        dab = _round(_join_ab(da, db, BLOCK_M, BLOCK_H), xn.dtype, INTERPRETER)
+        dxn = _mm(dab, tl.trans(w_ab), dxn, INPUT_PRECISION, INTERPRETER)
 
     if NORMALIZE:
         # Reloaded rather than kept: the fp32 rows would hold 64 registers per
@@ -181,13 +187,12 @@ def _swiglu_transition_bwd_input_kernel(
         )
 
 
-# The three [C, BLOCK_H] fp32 accumulators live in registers for the whole program,
-# so the hidden chunks are narrower than in the other two kernels. At c = 128 even
-# these spill a little on sm_90 (tens of spill instructions); at c = 64 all but the
-# last compile without spills.
+# The [C, 3 BLOCK_H] fp32 accumulators live in registers for the whole program, so
+# the hidden chunks are narrower than in the other two kernels. The first three
+# compile for sm_90 without register spills at c = 128, all of them at c = 64.
 BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE = tuning_space(
-    half=[(64, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3),
-          (128, 64, 8, 3)],
+    half=[(64, 32, 8, 2), (64, 32, 8, 3), (128, 16, 8, 2), (128, 32, 8, 2),
+          (64, 32, 4, 3)],
     single=[(32, 32, 4, 2), (64, 16, 4, 2)],
     interpreter_block_h=16,
 )  # fmt: skip
@@ -198,14 +203,13 @@ BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE = tuning_space(
     key=["C", "H", "NORMALIZE", "HAS_MASK"],
     prune_configs_by=BWD_WEIGHT_PRUNE,
     # The number of row splits depends on BLOCK_H; unused split rows must be zero.
-    reset_to_zero=["DW_A_PART", "DW_B_PART", "DW_OUT_PART"],
+    reset_to_zero=["DW_AB_PART", "DW_OUT_PART"],
 )
 @triton.heuristics({"EVEN_WEIGHTS": even_weights})
 @triton.jit
 def _swiglu_transition_bwd_weight_kernel(
-    X, LN_W, LN_B, W_A, W_B, W_OUT, MASK, DY, MEAN, RSTD,
-    DW_A_PART,  # [splits, H, C] fp32, written when NEED_DW_AB
-    DW_B_PART,  # [splits, H, C] fp32
+    X, LN_W, LN_B, W_AB, W_OUT, MASK, DY, MEAN, RSTD,
+    DW_AB_PART,  # [splits, 2H, C] fp32 (rows interleaved), written when NEED_DW_AB
     DW_OUT_PART,  # [splits, C, H] fp32, written when NEED_DW_OUT
     M, C, H, stride_x, stride_dy,
     NORMALIZE: tl.constexpr,
@@ -223,21 +227,20 @@ def _swiglu_transition_bwd_weight_kernel(
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
-    dtype = W_A.dtype.element_ty
+    dtype = W_AB.dtype.element_ty
     hid = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_C)
     h_ok = hid < H
     col_ok = cols < C
-    # This program's chunk of the weights stays in registers / shared memory.
-    w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
-    w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+    hid2 = 2 * pid_h * BLOCK_H + tl.arange(0, 2 * BLOCK_H)
+    h2_ok = hid2 < 2 * H
+    # This program's chunk of the weights stays in shared memory.
+    w_ab = _weight_tile_kn(W_AB, hid2, cols, h2_ok, col_ok, C, EVEN_WEIGHTS)
     w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
 
-    # All three accumulators are [BLOCK_C, BLOCK_H] (dw_a, dw_b transposed): every
-    # weight-gradient matmul then has M = BLOCK_C, a full tensor-core tile, whatever
-    # BLOCK_H is.
-    dw_a = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
-    dw_b = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
+    # Accumulators transposed ([C, hidden]): every weight-gradient matmul then has
+    # M = BLOCK_C, a full tensor-core tile, whatever BLOCK_H is.
+    dw_ab = tl.zeros((BLOCK_C, 2 * BLOCK_H), dtype=tl.float32)
     dw_out = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
     # Row blocks are dealt round-robin, so every split gets the same share.
     for block in range(split, tl.cdiv(M, BLOCK_M), n_splits):
@@ -251,8 +254,8 @@ def _swiglu_transition_bwd_weight_kernel(
             DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype,
             INTERPRETER,
         )  # fmt: skip
-        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
-        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
+        ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
+        a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
         sig = _sigmoid(a, FAST_SIGMOID)
         silu = a * sig
         if NEED_DW_OUT:
@@ -263,16 +266,13 @@ def _swiglu_transition_bwd_weight_kernel(
             # tiles (silu, gate) stay live across it instead of four (a, b, sig, silu)
             gate = b * sig * (1.0 + a * (1.0 - sig))
             dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
-            db = _round(dh * silu, xn.dtype, INTERPRETER)
-            da = _round(dh * gate, xn.dtype, INTERPRETER)
-            dw_a = _mm(tl.trans(xn), da, dw_a, INPUT_PRECISION, INTERPRETER)
-            dw_b = _mm(tl.trans(xn), db, dw_b, INPUT_PRECISION, INTERPRETER)
+            dab = _join_ab(dh * gate, dh * silu, BLOCK_M, BLOCK_H)
+            dab = _round(dab, xn.dtype, INTERPRETER)
+            dw_ab = _mm(tl.trans(xn), dab, dw_ab, INPUT_PRECISION, INTERPRETER)
 
-    mask_ch = col_ok[:, None] & h_ok[None, :]
     if NEED_DW_AB:
-        part_hc = split * H * C + hid[None, :] * C + cols[:, None]
-        tl.store(DW_A_PART + part_hc, dw_a, mask=mask_ch)
-        tl.store(DW_B_PART + part_hc, dw_b, mask=mask_ch)
+        part_ab = split * 2 * H * C + hid2[None, :] * C + cols[:, None]
+        tl.store(DW_AB_PART + part_ab, dw_ab, mask=col_ok[:, None] & h2_ok[None, :])
     if NEED_DW_OUT:
-        part_ch = split * C * H + cols[:, None] * H + hid[None, :]
-        tl.store(DW_OUT_PART + part_ch, dw_out, mask=mask_ch)
+        part_out = split * C * H + cols[:, None] * H + hid[None, :]
+        tl.store(DW_OUT_PART + part_out, dw_out, mask=col_ok[:, None] & h_ok[None, :])

@@ -3,12 +3,16 @@
 One program owns ``BLOCK_M`` rows. It normalises them in fp32 registers, then walks
 the hidden dimension in chunks of ``BLOCK_H``::
 
-    a = xn @ w_a[chunk].T ; b = xn @ w_b[chunk].T ; h = silu(a) * b
+    [a | b] = xn @ w_ab[chunk].T ; h = silu(a) * b
     acc += h @ w_out[:, chunk].T
 
 so the ``[rows, n*c]`` hidden activations never reach global memory (the fused-MLP
 schedule of flash-attention's ``fused_dense``/"FusedMLP", written here for
-LayerNorm + SwiGLU). The three weight matrices are re-read from L2 by every program.
+LayerNorm + SwiGLU). ``w_ab`` is ``w_a`` and ``w_b`` interleaved row by row
+(``w_ab[2j] = w_a[j]``, ``w_ab[2j + 1] = w_b[j]``): ``a`` and ``b`` come out of one
+matmul ``N = 2 BLOCK_H`` wide instead of two dependent ones, and a thread's
+accumulator fragment holds column pairs, so splitting them apart is a register
+shuffle. The weights are re-read from L2 by every program.
 """
 
 from __future__ import annotations
@@ -84,6 +88,18 @@ def _weight_tile_kn(W, hid, cols, h_ok, col_ok, C, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _split_ab(ab, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``[BLOCK_M, 2 BLOCK_H]`` interleaved columns -> ``(a, b)``."""
+    return tl.split(tl.reshape(ab, (BLOCK_M, BLOCK_H, 2)))
+
+
+@triton.jit
+def _join_ab(da, db, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``(da, db)`` -> ``[BLOCK_M, 2 BLOCK_H]`` interleaved like ``w_ab``'s rows."""
+    return tl.reshape(tl.join(da, db), (BLOCK_M, 2 * BLOCK_H))
+
+
+@triton.jit
 def _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN: tl.constexpr):
     """``[BLOCK_C, BLOCK_H]`` tile ``W_OUT[cols, hid]`` of the ``[C, H]`` output
     weight (zeros outside)."""
@@ -124,7 +140,7 @@ def tuning_space(
     single_ids = {id(c) for c in single_configs}
 
     def prune(configs, named_args, **kwargs):
-        fp32 = named_args["W_A"].dtype == torch.float32
+        fp32 = named_args["W_AB"].dtype == torch.float32
         return [c for c in configs if (id(c) in single_ids) == fp32]
 
     return half_configs + single_configs, {"early_config_prune": prune}
@@ -152,8 +168,7 @@ def _swiglu_transition_fwd_kernel(
     X,  # [M, C] input, row stride stride_x
     LN_W,  # [C] LayerNorm scale (unused unless NORMALIZE)
     LN_B,  # [C] LayerNorm offset
-    W_A,  # [H, C] compute dtype
-    W_B,  # [H, C]
+    W_AB,  # [2H, C] compute dtype, w_a and w_b interleaved by rows
     W_OUT,  # [C, H]
     MASK,  # [M] row multiplier (unused unless HAS_MASK)
     Y,  # [M, C] output, row stride stride_y
@@ -196,16 +211,16 @@ def _swiglu_transition_fwd_kernel(
         ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = xc * rstd[:, None] * ln_w[None, :] + ln_b[None, :]
     # OF3 rounds the LayerNorm output to the compute dtype before the matmuls.
-    xn = _round(x, W_A.dtype.element_ty, INTERPRETER)
+    xn = _round(x, W_AB.dtype.element_ty, INTERPRETER)
 
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k in range(0, H, BLOCK_H):
         hid = k + tl.arange(0, BLOCK_H)
         h_ok = hid < H
-        w_a = _weight_tile_kn(W_A, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
-        w_b = _weight_tile_kn(W_B, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
-        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
-        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
+        hid2 = 2 * k + tl.arange(0, 2 * BLOCK_H)
+        w_ab = _weight_tile_kn(W_AB, hid2, cols, hid2 < 2 * H, col_ok, C, EVEN_WEIGHTS)
+        ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
+        a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
         h = _round(a * _sigmoid(a, FAST_SIGMOID) * b, xn.dtype, INTERPRETER)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
         acc = _mm(h, tl.trans(w_out), acc, INPUT_PRECISION, INTERPRETER)

@@ -73,12 +73,20 @@ def _kernel_flags(compute_dtype: torch.dtype) -> dict:
     }
 
 
-def _candidate_configs(configs, prune, w_a: torch.Tensor) -> list[triton.Config]:
-    """The configs the autotuner may pick for weights like ``w_a`` (buffers whose
+def _candidate_configs(configs, prune, w_ab: torch.Tensor) -> list[triton.Config]:
+    """The configs the autotuner may pick for weights like ``w_ab`` (buffers whose
     size depends on the config are sized for all of them)."""
     if not prune:
         return configs
-    return prune["early_config_prune"](configs, {"W_A": w_a})
+    return prune["early_config_prune"](configs, {"W_AB": w_ab})
+
+
+def interleave_ab(
+    w_a: torch.Tensor, w_b: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[2H, c]`` in ``dtype`` with ``w_a`` in the even rows, ``w_b`` in the odd
+    ones: the layout the kernels take the two SwiGLU projections in."""
+    return torch.stack((w_a, w_b), dim=1).reshape(-1, w_a.shape[1]).to(dtype)
 
 
 def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> int:
@@ -91,8 +99,7 @@ def swiglu_transition_fwd(
     x: torch.Tensor,
     ln_weight: torch.Tensor | None,
     ln_bias: torch.Tensor | None,
-    w_a: torch.Tensor,
-    w_b: torch.Tensor,
+    w_ab: torch.Tensor,
     w_out: torch.Tensor,
     mask: torch.Tensor | None,
     eps: float,
@@ -102,7 +109,8 @@ def swiglu_transition_fwd(
     Args:
         x: ``[M, c]``, unit column stride, any float dtype.
         ln_weight, ln_bias: ``[c]`` or both ``None`` (no LayerNorm).
-        w_a, w_b: ``[H, c]`` contiguous, in the compute dtype; w_out ``[c, H]``.
+        w_ab: ``[2H, c]`` from :func:`interleave_ab`, contiguous, in the compute
+            dtype; w_out: ``[c, H]`` contiguous, same dtype.
         mask: ``[M]`` contiguous or ``None``.
 
     Returns:
@@ -110,9 +118,9 @@ def swiglu_transition_fwd(
         rstd are ``None`` without LayerNorm.
     """
     m, c = x.shape
-    h = w_a.shape[0]
+    h = w_out.shape[1]
     normalize = ln_weight is not None
-    y = torch.empty((m, c), device=x.device, dtype=w_a.dtype)
+    y = torch.empty((m, c), device=x.device, dtype=w_ab.dtype)
     mean = rstd = None
     if normalize:
         mean = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -125,12 +133,12 @@ def swiglu_transition_fwd(
 
     _swiglu_transition_fwd_kernel[grid](
         x, ln_weight if normalize else x, ln_bias if normalize else x,
-        w_a, w_b, w_out,
+        w_ab, w_out,
         mask if mask is not None else x, y,
         mean if normalize else y, rstd if normalize else y,
         m, c, h, x.stride(0), y.stride(0), eps,
         NORMALIZE=normalize, HAS_MASK=mask is not None,
-        BLOCK_C=_block_c(c), **_kernel_flags(w_a.dtype),
+        BLOCK_C=_block_c(c), **_kernel_flags(w_ab.dtype),
     )  # fmt: skip
     return y, mean, rstd
 
@@ -140,8 +148,7 @@ def swiglu_transition_bwd(
     x: torch.Tensor,
     ln_weight: torch.Tensor | None,
     ln_bias: torch.Tensor | None,
-    w_a: torch.Tensor,
-    w_b: torch.Tensor,
+    w_ab: torch.Tensor,
     w_out: torch.Tensor,
     mask: torch.Tensor | None,
     mean: torch.Tensor | None,
@@ -154,7 +161,8 @@ def swiglu_transition_bwd(
     """Launch the backward kernels for the gradients asked for.
 
     Arguments as in :func:`swiglu_transition_fwd`, plus ``dy [M, c]`` (unit column
-    stride) and the forward's ``mean``/``rstd``.
+    stride) and the forward's ``mean``/``rstd``. ``w_a``/``w_b`` gradients come back
+    separated again.
 
     Returns:
         ``(dx [M, c] in x.dtype, dln_weight [c], dln_bias [c], dw_a [H, c],
@@ -163,11 +171,11 @@ def swiglu_transition_bwd(
         parameters, ``need_dw_ab`` both SwiGLU projections).
     """
     m, c = x.shape
-    h = w_a.shape[0]
+    h = w_out.shape[1]
     normalize = ln_weight is not None
     need_dln = need_dln and normalize
     dev = x.device
-    flags = _kernel_flags(w_a.dtype)
+    flags = _kernel_flags(w_ab.dtype)
     common = dict(
         NORMALIZE=normalize, HAS_MASK=mask is not None, BLOCK_C=_block_c(c), **flags
     )
@@ -182,7 +190,7 @@ def swiglu_transition_bwd(
         dx = torch.empty_like(x) if need_dx else None
         min_block_m = min(
             cfg.kwargs["BLOCK_M"]
-            for cfg in _candidate_configs(BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE, w_a)
+            for cfg in _candidate_configs(BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE, w_ab)
         )
         parts = triton.cdiv(m, min_block_m) if need_dln else 1
         dln_w_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
@@ -193,7 +201,7 @@ def swiglu_transition_bwd(
 
         if m > 0:
             _swiglu_transition_bwd_input_kernel[grid_input](
-                x, ln_w, ln_b, w_a, w_b, w_out, mask_, dy, mean_, rstd_,
+                x, ln_w, ln_b, w_ab, w_out, mask_, dy, mean_, rstd_,
                 dx if need_dx else x, dln_w_part, dln_b_part,
                 m, c, h, x.stride(0), dy.stride(0), dx.stride(0) if need_dx else 0,
                 STORE_DX=need_dx, LN_GRAD=need_dln, **common,
@@ -206,11 +214,10 @@ def swiglu_transition_bwd(
         num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
         splits = max(
             _weight_splits(m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms)
-            for cfg in _candidate_configs(BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE, w_a)
+            for cfg in _candidate_configs(BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE, w_ab)
         )
-        shape_hc = (splits, h, c) if need_dw_ab else (1, 1, 1)
-        dw_a_part = torch.zeros(shape_hc, device=dev, dtype=torch.float32)
-        dw_b_part = torch.zeros(shape_hc, device=dev, dtype=torch.float32)
+        shape_ab = (splits, 2 * h, c) if need_dw_ab else (1, 1, 1)
+        dw_ab_part = torch.zeros(shape_ab, device=dev, dtype=torch.float32)
         shape_ch = (splits, c, h) if need_dw_out else (1, 1, 1)
         dw_out_part = torch.zeros(shape_ch, device=dev, dtype=torch.float32)
 
@@ -222,14 +229,14 @@ def swiglu_transition_bwd(
 
         if m > 0:
             _swiglu_transition_bwd_weight_kernel[grid_weight](
-                x, ln_w, ln_b, w_a, w_b, w_out, mask_, dy, mean_, rstd_,
-                dw_a_part, dw_b_part, dw_out_part,
+                x, ln_w, ln_b, w_ab, w_out, mask_, dy, mean_, rstd_,
+                dw_ab_part, dw_out_part,
                 m, c, h, x.stride(0), dy.stride(0),
                 NEED_DW_AB=need_dw_ab, NEED_DW_OUT=need_dw_out, **common,
             )  # fmt: skip
         if need_dw_ab:
-            dw_a = dw_a_part.sum(0)
-            dw_b = dw_b_part.sum(0)
+            dw_ab = dw_ab_part.sum(0).view(h, 2, c)
+            dw_a, dw_b = dw_ab[:, 0].contiguous(), dw_ab[:, 1].contiguous()
         if need_dw_out:
             dw_out = dw_out_part.sum(0)
     return dx, dln_w, dln_b, dw_a, dw_b, dw_out
@@ -264,7 +271,10 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
         compute_dtype: torch.dtype,
     ) -> torch.Tensor:
         x2d = _rows(x)
-        weights = [w.to(compute_dtype).contiguous() for w in (w_a, w_b, w_out)]
+        weights = (
+            interleave_ab(w_a, w_b, compute_dtype),
+            w_out.to(compute_dtype).contiguous(),
+        )
         mask1d = None
         if mask is not None:
             if mask.dim() == x.dim() and mask.shape[-1] == 1:
@@ -287,10 +297,10 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd = ctx.saved_tensors
+        x2d, ln_weight, ln_bias, w_ab, w_out, mask1d, mean, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dln_w, dln_b, dw_a, dw_b, dw_out = swiglu_transition_bwd(
-            _rows(dy), x2d, ln_weight, ln_bias, w_a, w_b, w_out, mask1d, mean, rstd,
+            _rows(dy), x2d, ln_weight, ln_bias, w_ab, w_out, mask1d, mean, rstd,
             need_dx=need[0], need_dln=need[1] or need[2],
             need_dw_ab=need[3] or need[4], need_dw_out=need[5],
         )  # fmt: skip
