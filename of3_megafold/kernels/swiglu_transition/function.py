@@ -37,10 +37,12 @@ from of3_megafold.kernels.swiglu_transition.reference import (
 logger = logging.getLogger(__name__)
 
 # Widest channel count the fused schedule takes: a program holds a [BLOCK_M, c] fp32
-# accumulator plus the [BLOCK_M, c] normalised rows in registers. Wider transitions
-# (OF3's single transition, c=384, and the diffusion transformer's, c=768) run on
-# few rows (tokens), where cuBLAS's output-tiled GEMMs spread better over the GPU
-# than a row-block schedule, so they take the torch path.
+# accumulator plus the [BLOCK_M, c] normalised rows in registers, which stops
+# fitting beyond c = 128 (c = 256 would need BLOCK_M = 32 and waste the tensor
+# cores). OF3's wider transitions (single, c=384: N tokens; diffusion transformer,
+# c=768: samples x N tokens) run on a few thousand to a few tens of thousands of
+# rows, where cuBLAS GEMMs tiled over the output spread well over the GPU, so they
+# take the torch path.
 MAX_FUSED_CHANNELS = 128
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
