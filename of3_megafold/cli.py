@@ -20,12 +20,13 @@ import click
 from of3_megafold.errors import KitError
 
 BENCHMARKS = {
-    "attention": "of3_megafold.bench.attention_core",
-    "smooth-lddt": "of3_megafold.bench.smooth_lddt",
-    "transition": "of3_megafold.bench.transition",
-    "step": "of3_megafold.bench.step",
+    "attention": ("attention_core", "attention_module"),
+    "smooth-lddt": ("smooth_lddt",),
+    "transition": ("transition",),
+    "step": ("step",),
 }
-"""``of3-megafold bench <what>`` -> module with ``run(out_json, quick)``."""
+"""``of3-megafold bench <what>`` -> modules of ``of3_megafold.bench``, each with
+``run(out_json, quick)`` writing ``<out-dir>/<module>.json``."""
 
 DEFAULT_BENCH_DIR = Path("docs") / "benchmarks"
 
@@ -237,23 +238,26 @@ def info(as_json: bool) -> None:
 @main.command()
 @click.argument("what", type=click.Choice(sorted(BENCHMARKS)))
 @click.option(
-    "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="JSON file the rows are appended to [docs/benchmarks/<what>.json].",
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_BENCH_DIR,
+    show_default=True,
+    help="Rows are appended to <out-dir>/<benchmark>.json.",
 )
 @click.option("--quick", is_flag=True, help="A tiny smoke run (works on CPU).")
-def bench(what: str, out: Path | None, quick: bool) -> None:
+def bench(what: str, out_dir: Path, quick: bool) -> None:
     """Compare the kit with stock OpenFold3 side by side, in one process."""
     import importlib
 
     from of3_megafold import activate
 
     activate()
-    module = importlib.import_module(BENCHMARKS[what])
-    out = out or DEFAULT_BENCH_DIR / f"{what.replace('-', '_')}.json"
-    with _user_errors():
-        rows = module.run(out, quick=quick)
-    click.echo(f"{len(rows)} rows appended to {out}")
+    for name in BENCHMARKS[what]:
+        module = importlib.import_module(f"of3_megafold.bench.{name}")
+        out = out_dir / f"{name}.json"
+        with _user_errors():
+            rows = module.run(out, quick=quick)
+        click.echo(f"{len(rows)} rows appended to {out}")
 
 
 @main.command(

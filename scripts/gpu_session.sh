@@ -30,8 +30,8 @@ for step in "$@"; do
         evoflash) run evoflash 300 python3 scripts/gpu_check_evoflash.py ;;
         transition) run transition 240 python3 scripts/gpu_check_transition.py ;;
         smooth_lddt) run smooth_lddt 240 python3 scripts/gpu_check_smooth_lddt.py ;;
-        bench-*) run "$step" 420 python3 -m of3_megafold.cli bench "${step#bench-}" \
-            --out "$OUT/${step#bench-}.json" ;;
+        bench-*) run "$step" "${BENCH_LIMIT:-300}" python3 -m of3_megafold.cli bench \
+            "${step#bench-}" --out-dir "$OUT" ;;
         step) run step 540 python3 scripts/gpu_step.py "$OUT/step.json" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac

@@ -1,0 +1,145 @@
+"""OF3's attention modules, forward + backward: stock, OF3's Triton kernel, the kit.
+
+``of3-megafold bench attention`` runs this after the core benchmark
+(:mod:`of3_megafold.bench.attention_core`). Cases:
+
+- ``TriangleAttention(c_in=128, c_hidden=32, no_heads=4, starting=True)``, bf16
+  weights and input ``[1, N, N, 128]``, all-ones mask (BASELINES.md table A);
+- ``DiffusionAttentionPairBias`` as OF3's diffusion transformer builds it (c_q 768,
+  16 heads x 48, c_s 384, c_z 128), ``a [1, 48, N, 768]``, ``z [1, N, N, 128]``,
+  high-precision core as OF3 calls it.
+
+Providers: ``stock`` (OF3's torch path), ``of3-triton``
+(``use_triton_triangle_kernels``; triangle only, OF3 never passes it to the diffusion
+transformer), ``kit`` (``evoflash_attention`` forced on). Timing: the median of
+``triton.testing.do_bench`` after warm-up; peak memory above what was allocated
+before the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from of3_megafold.bench import common
+
+TRIANGLE_N = (256, 384, 512, 768, 1024, 1536, 2048)
+DIFFUSION_N = (384, 768)
+
+
+def _triangle(n: int, device) -> tuple[torch.nn.Module, dict, Callable[[str], dict]]:
+    from openfold3.core.model.layers.triangular_attention import TriangleAttention
+
+    module = TriangleAttention(c_in=128, c_hidden=32, no_heads=4, starting=True)
+    module = module.to(device=device, dtype=torch.bfloat16)
+    inputs = {
+        "x": torch.randn(1, n, n, 128, device=device, dtype=torch.bfloat16),
+        "mask": torch.ones(1, n, n, device=device, dtype=torch.bfloat16),
+    }
+
+    def flags(provider: str) -> dict:
+        return {"use_triton_triangle_kernels": provider == "of3-triton"}
+
+    return module, inputs, flags
+
+
+def _diffusion(n: int, device) -> tuple[torch.nn.Module, dict, Callable[[str], dict]]:
+    from openfold3.core.model.layers.attention_pair_bias import (
+        DiffusionAttentionPairBias,
+    )
+
+    module = DiffusionAttentionPairBias(
+        c_q=768, c_k=768, c_v=768, c_s=384, c_z=128, c_hidden=48, no_heads=16
+    ).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():  # AF3 zero-initialises some projections
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+    samples = 48
+    inputs = {
+        "a": torch.randn(1, samples, n, 768, device=device, dtype=torch.bfloat16),
+        "z": torch.randn(1, n, n, 128, device=device, dtype=torch.bfloat16),
+        "s": torch.randn(1, samples, n, 384, device=device, dtype=torch.bfloat16),
+        "mask": torch.ones(1, samples, n, device=device, dtype=torch.bfloat16),
+    }
+
+    def flags(provider: str) -> dict:
+        return {"use_high_precision_attention": True}
+
+    return module, inputs, flags
+
+
+CASES = {"triangle": (_triangle, TRIANGLE_N), "diffusion": (_diffusion, DIFFUSION_N)}
+
+
+def _providers(case: str) -> tuple[str, ...]:
+    return ("stock", "of3-triton", "kit") if case == "triangle" else ("stock", "kit")
+
+
+def _step(module, inputs: dict, kwargs: dict, grad_out: torch.Tensor):
+    leaves = {k: v.detach().requires_grad_(k != "mask") for k, v in inputs.items()}
+
+    def step():
+        out = module(**leaves, **kwargs)
+        out.backward(grad_out)
+        return out
+
+    return step, [v for v in leaves.values() if v.requires_grad]
+
+
+def _describe(row: dict[str, Any]) -> str:
+    head = f"{row['case']:9s} N={row['n']:5d} {row['provider']:11s}"
+    if "ms" not in row:
+        return f"{head} {row.get('skipped', 'out of memory')}"
+    peak = row["peak_mib"]
+    return f"{head} {row['ms']:9.3f} ms " + (
+        f"{peak:9.0f} MiB" if peak is not None else "(no CUDA peak)"
+    )
+
+
+def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
+    """Time every case and provider; append the rows to ``out_json``."""
+    from of3_megafold import activate, registry
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    meta = common.environment_metadata(device)
+    rows: list[dict[str, Any]] = []
+    kit_ok, kit_reason = registry.get("evoflash_attention").available()
+    for case, (build, sizes) in CASES.items():
+        for n in sizes[:1] if quick else sizes:
+            if not on_gpu:
+                n = min(n, 16)
+            module, inputs, flags = build(n, device)
+            with torch.no_grad():
+                grad_out = torch.randn_like(module(**inputs, **flags("stock")))
+            for provider in _providers(case):
+                row = {"case": case, "n": n, "provider": provider, **meta}
+                if provider == "kit" and not kit_ok:
+                    rows.append({**row, "skipped": kit_reason})
+                    continue
+                if provider == "of3-triton" and not on_gpu:
+                    rows.append({**row, "skipped": "OF3's Triton kernel needs CUDA"})
+                    continue
+                activate(force=["evoflash_attention"] if provider == "kit" else ())
+                step, leaves = _step(module, inputs, flags(provider), grad_out)
+                try:
+                    timing = common.timed_peak(
+                        step, grad_to_none=[*leaves, *module.parameters()]
+                    )
+                    row.update(ms=timing.ms, peak_mib=timing.peak_mib)
+                except Exception as err:  # noqa: BLE001 (OOM is a result here)
+                    if not common.is_out_of_memory(err):
+                        raise
+                    row["oom"] = True
+                finally:
+                    activate()
+                    common.free_device_memory()
+                rows.append(row)
+                print(_describe(row))
+            del module, inputs
+            common.free_device_memory()
+    common.append_rows(out_json, rows)
+    return rows
