@@ -119,9 +119,11 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 row = {"case": case, "n": n, "provider": provider, **meta}
                 if provider == "kit" and not kit_ok:
                     rows.append({**row, "skipped": kit_reason})
+                    common.append_rows(out_json, rows[-1:])
                     continue
                 if provider == "of3-triton" and not on_gpu:
                     rows.append({**row, "skipped": "OF3's Triton kernel needs CUDA"})
+                    common.append_rows(out_json, rows[-1:])
                     continue
                 activate(force=["evoflash_attention"] if provider == "kit" else ())
                 step, leaves = _step(module, inputs, flags(provider), grad_out)
@@ -138,8 +140,8 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                     activate()
                     common.free_device_memory()
                 rows.append(row)
-                print(_describe(row))
+                common.append_rows(out_json, [row])  # kept if a later case is cut off
+                print(_describe(row), flush=True)
             del module, inputs
             common.free_device_memory()
-    common.append_rows(out_json, rows)
     return rows

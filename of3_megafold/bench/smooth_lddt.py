@@ -173,6 +173,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 free_device_memory()
                 row.update(meta)
                 rows.append(row)
+                append_rows(out_json, [row])  # kept if a later case is cut off
                 shown = (
                     f"{row['ms']:9.3f} ms {row['peak_mib'] or 0:9.1f} MiB "
                     f"loss {row['loss']:.5f}"
@@ -182,5 +183,4 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 print(
                     f"{row['dtype']:9} N={n_atom:6} {provider:24} {shown}", flush=True
                 )
-    append_rows(out_json, rows)
     return rows

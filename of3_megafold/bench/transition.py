@@ -132,6 +132,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 torch.cuda.empty_cache()
             row.update(meta)
             rows.append(row)
+            append_rows(out_json, [row])  # kept if a later case is cut off
             print(
                 f"{row['case']:6} {row['shape']:>16} {provider:12} "
                 + (
@@ -142,5 +143,4 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 ),
                 flush=True,
             )
-    append_rows(out_json, rows)
     return rows
