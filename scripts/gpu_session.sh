@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install the carried wheels (.whl/, see docs/benchmarks.md),
 # then run the named steps, each logged to $OUT/<step>.log (results JSON to $OUT too).
-#   bash scripts/gpu_session.sh tests evoflash transition smooth_lddt step
+# A step may carry its own time limit in seconds: bench-attention@200.
+#   bash scripts/gpu_session.sh tests evoflash bench-transition@90 "step@200 --no-max-crop"
 set -uo pipefail
 OUT="${OUT:-/tmp/of3mf-out}"
 mkdir -p "$OUT"
@@ -23,16 +24,21 @@ run() {  # run <step> <seconds> <command...>
     tail -n 25 "$OUT/$step.log"
 }
 
-for step in "$@"; do
+for spec in "$@"; do
+    read -r head extra <<<"$spec"
+    step=${head%@*}
+    limit=""
+    [ "$head" != "$step" ] && limit=${head#*@}
     case "$step" in
-        tests) run tests 420 python3 -m pytest tests/kernels tests/extensions -q -x \
+        tests) run tests "${limit:-420}" python3 -m pytest tests/kernels tests/extensions -q -x \
             -p no:cacheprovider --durations=15 ;;
-        evoflash) run evoflash 300 python3 scripts/gpu_check_evoflash.py ;;
-        transition) run transition 240 python3 scripts/gpu_check_transition.py ;;
-        smooth_lddt) run smooth_lddt 240 python3 scripts/gpu_check_smooth_lddt.py ;;
-        bench-*) run "$step" "${BENCH_LIMIT:-300}" python3 -m of3_megafold.cli bench \
+        evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py ;;
+        transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py ;;
+        smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
+        bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
             "${step#bench-}" --out-dir "$OUT" ;;
-        step) run step 540 python3 scripts/gpu_step.py "$OUT/step.json" ;;
+        # shellcheck disable=SC2086  # $extra: options for gpu_step.py
+        step) run step "${limit:-540}" python3 scripts/gpu_step.py "$OUT/step.json" $extra ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
