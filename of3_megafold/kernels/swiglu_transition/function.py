@@ -279,8 +279,6 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
         )
         mask1d = None
         if mask is not None:
-            if mask.dim() == x.dim() and mask.shape[-1] == 1:
-                mask = mask[..., 0]  # OF3's _transition takes the mask as [*, 1]
             mask1d = mask.expand(x.shape[:-1]).reshape(-1)
             if not mask1d.is_floating_point():
                 mask1d = mask1d.float()
@@ -347,6 +345,14 @@ def _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out) -> None:
         )
 
 
+def _row_mask(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The mask as one value per row (``[*]``): OF3's ``_transition`` passes it as
+    ``[*, 1]``; both the fused path and the torch fallback take ``[*]``."""
+    if mask is not None and mask.dim() == x.dim() and mask.shape[-1] == 1:
+        return mask[..., 0]
+    return mask
+
+
 def swiglu_transition(
     x: torch.Tensor,
     ln_weight: torch.Tensor,
@@ -383,6 +389,7 @@ def swiglu_transition(
     interpreter.
     """
     _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out)
+    mask = _row_mask(mask, x)
     compute_dtype = _compute_dtype(x)
     ok, why = _fused_ok(x, compute_dtype)
     if not ok:
@@ -409,6 +416,7 @@ def swiglu_mlp(
     :func:`swiglu_transition`.
     """
     _check_shapes(x, None, None, w_a, w_b, w_out)
+    mask = _row_mask(mask, x)
     compute_dtype = _compute_dtype(x)
     ok, why = _fused_ok(x, compute_dtype)
     if not ok:
