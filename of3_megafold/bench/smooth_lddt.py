@@ -121,11 +121,18 @@ def _providers(n_atom: int, dtype: torch.dtype, on_gpu: bool) -> list[str]:
     return providers
 
 
-def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
+def run(
+    out_json: Path,
+    quick: bool = False,
+    *,
+    sizes: tuple[int, ...] | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> list[dict[str, Any]]:
     """Time every provider at every size and dtype; append the rows to ``out_json``.
 
     ``quick``: N = 1262 and 7680, fp32 only. On CPU: N = 48, the kernels through the
     Triton interpreter when ``TRITON_INTERPRET=1`` was set before Python started.
+    ``sizes`` / ``dtypes`` override the GPU lists (to re-measure a few cases).
     """
     on_gpu = torch.cuda.is_available()
     if not (on_gpu or interpreter_enabled()):
@@ -135,8 +142,10 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
         )
     device = torch.device("cuda" if on_gpu else "cpu")
     if on_gpu:
-        sizes = QUICK_SIZES if quick else SIZES
-        dtypes = (torch.float32,) if quick else (torch.float32, torch.bfloat16)
+        sizes = sizes or (QUICK_SIZES if quick else SIZES)
+        dtypes = dtypes or (
+            (torch.float32,) if quick else (torch.float32, torch.bfloat16)
+        )
     else:
         sizes, dtypes = (48,), (torch.float32,)
     meta = environment_metadata(device)
