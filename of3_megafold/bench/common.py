@@ -70,7 +70,13 @@ def _distribution_version(name: str) -> str | None:
 
 @functools.cache
 def _git_commit() -> str | None:
-    """Commit of the checkout holding this package, ``+dirty`` if it has edits."""
+    """Commit of the checkout holding this package, ``+dirty`` if it has edits.
+
+    A copy without ``.git`` (a GPU machine that received the working tree) reads
+    ``OF3_MEGAFOLD_COMMIT``, set by whoever sent the tree.
+    """
+    if os.environ.get("OF3_MEGAFOLD_COMMIT"):
+        return os.environ["OF3_MEGAFOLD_COMMIT"]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"],
