@@ -218,3 +218,33 @@ def module_flag(module: Any, key: str) -> bool:
         return False
     mode = memory.train if module.training else memory.eval
     return bool(mode.get(key, False))
+
+
+MEMORY_MODES = ("train", "eval")
+
+
+def memory_flag_keys(flag: str, help: str) -> tuple[ConfigKey, ...]:
+    """``settings.memory.{train,eval}.<flag>`` keys, default false (stock OF3).
+
+    ``help`` is prefixed with the mode. These are the keys a module reads through
+    :func:`module_flag`.
+    """
+    return tuple(
+        ConfigKey(("settings", "memory", mode, flag), False, f"{mode}: {help}")
+        for mode in MEMORY_MODES
+    )
+
+
+def any_key_on(keys: tuple[ConfigKey, ...]) -> Callable[[Any], bool]:
+    """``Extension.requested`` for boolean keys: true when any of them is on."""
+
+    def requested(config: Any) -> bool:
+        return any(bool(key.read(config)) for key in keys)
+
+    return requested
+
+
+def module_enabled(module: Any, name: str, flag: str) -> bool:
+    """Whether extension ``name`` runs for ``module``: forced on, or its model's
+    ``settings.memory.<mode>.<flag>`` is on."""
+    return forced_variant(name) is not None or module_flag(module, flag)

@@ -38,17 +38,12 @@ OF3_KERNEL_FLAGS = (
     "use_triton_triangle_kernels",
     "use_lma",
 )
-MODES = ("train", "eval")
 
-KEYS = tuple(
-    registry.ConfigKey(
-        ("settings", "memory", mode, FLAG),
-        False,
-        f"{mode}: run every OF3 attention with pair bias on the fused EvoFlash-3D "
-        "Triton kernel (no [*, H, N, N] logits stored). Exclusive with OF3's kernel "
-        "flags in the same section.",
-    )
-    for mode in MODES
+KEYS = registry.memory_flag_keys(
+    FLAG,
+    "run every OF3 attention with pair bias on the fused EvoFlash-3D Triton kernel "
+    "(no [*, H, N, N] logits stored). Exclusive with OF3's kernel flags in the same "
+    "section.",
 )
 
 
@@ -141,9 +136,7 @@ def evoflash_forward(
 
 
 def _enabled(module: Any) -> bool:
-    return registry.forced_variant(NAME) is not None or registry.module_flag(
-        module, FLAG
-    )
+    return registry.module_enabled(module, NAME, FLAG)
 
 
 def _patch_attention_forward(original):
@@ -161,10 +154,6 @@ def _patch_attention_forward(original):
     forward.__doc__ = original.__doc__
     forward.__wrapped__ = original
     return forward
-
-
-def _requested(config: Any) -> bool:
-    return any(key.read(config) for key in KEYS)
 
 
 def _validate(config: Any) -> None:
@@ -187,7 +176,7 @@ EXTENSION = registry.register(
         summary="Fused attention with pair bias (forward and backward) at every "
         "OF3 attention call site",
         keys=KEYS,
-        requested=_requested,
+        requested=registry.any_key_on(KEYS),
         enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         requires=("triton",),
         device_check=triton_backend,

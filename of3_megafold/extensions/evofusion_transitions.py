@@ -19,24 +19,17 @@ from of3_megafold.kernels.backend import triton_backend
 
 NAME = "evofusion_transitions"
 FLAG = "use_evofusion_transitions"
-MODES = ("train", "eval")
 
-KEYS = tuple(
-    registry.ConfigKey(
-        ("settings", "memory", mode, FLAG),
-        False,
-        f"{mode}: fused LayerNorm + SwiGLU + output Linear in every SwiGLU "
-        "transition (and SwiGLU + output Linear after AdaLN in conditioned "
-        "transitions); hidden activations recomputed, not stored.",
-    )
-    for mode in MODES
+KEYS = registry.memory_flag_keys(
+    FLAG,
+    "fused LayerNorm + SwiGLU + output Linear in every SwiGLU transition (and "
+    "SwiGLU + output Linear after AdaLN in conditioned transitions); hidden "
+    "activations recomputed, not stored.",
 )
 
 
 def _enabled(module: Any) -> bool:
-    return registry.forced_variant(NAME) is not None or registry.module_flag(
-        module, FLAG
-    )
+    return registry.module_enabled(module, NAME, FLAG)
 
 
 def _has_bias(*linears) -> bool:
@@ -89,10 +82,6 @@ def _patch_conditioned_transition(original):
     return _transition
 
 
-def _requested(config: Any) -> bool:
-    return any(key.read(config) for key in KEYS)
-
-
 _TRANSITION = "openfold3.core.model.layers.transition"
 
 EXTENSION = registry.register(
@@ -101,7 +90,7 @@ EXTENSION = registry.register(
         summary="Fused LayerNorm + SwiGLU + output Linear transitions that "
         "recompute their wide hidden activations",
         keys=KEYS,
-        requested=_requested,
+        requested=registry.any_key_on(KEYS),
         enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         requires=("triton",),
         device_check=triton_backend,
