@@ -4,9 +4,9 @@ Keys: ``model_update.custom.settings.memory.{train,eval}.use_evoflash_attention`
 (default false). With a key on, ``Attention.forward`` of every module of that model
 (triangle attention start/end in the pairformer, MSA module, template stack and
 confidence pairformer; ``AttentionPairBias`` on the single representation;
-``DiffusionAttentionPairBias`` with its bias shared over the diffusion samples;
-``CrossAttentionPairBias``) runs its core on :func:`evoflash_attention`: the
-``[*, H, Q, K]`` logits are never stored. Parameter names are unchanged, so OF3
+``DiffusionAttentionPairBias`` with its bias shared over the diffusion samples)
+runs its core on :func:`evoflash_attention`: the ``[*, H, Q, K]`` logits are never
+stored. Parameter names are unchanged, so OF3
 checkpoints load as they are.
 
 The key is mutually exclusive with OF3's own kernel flags
@@ -14,8 +14,9 @@ The key is mutually exclusive with OF3's own kernel flags
 ``use_triton_triangle_kernels``, ``use_lma``) in the same mode; note OF3's ``eval``
 section turns ``use_triton_triangle_kernels`` on by default.
 
-Attention whose queries and keys differ in length (none in OF3's default config
-uses it with pair bias) keeps OF3's path.
+The kernel takes equal query and key lengths. ``CrossAttentionPairBias`` (OF3's local
+atom attention: blocks of 32 queries against 128 keys, a few MB of logits) therefore
+keeps OF3's path; whether a kernel would pay there was not measured.
 """
 
 from __future__ import annotations
