@@ -1,4 +1,4 @@
-"""EvoFlash-3D in OF3's ``Attention``: every attention with pair bias on one kernel.
+"""EvoFlash-3D in OF3's ``Attention``: attention with pair bias on one fused kernel.
 
 Keys: ``model_update.custom.settings.memory.{train,eval}.use_evoflash_attention``
 (default false). With a key on, ``Attention.forward`` of every module of that model
@@ -42,9 +42,9 @@ OF3_KERNEL_FLAGS = (
 
 KEYS = registry.memory_flag_keys(
     FLAG,
-    "run every OF3 attention with pair bias on the fused EvoFlash-3D Triton kernel "
-    "(no [*, H, N, N] logits stored). Exclusive with OF3's kernel flags in the same "
-    "section.",
+    "run triangle, single and diffusion attention on the fused EvoFlash-3D Triton "
+    "kernel (no [*, H, N, N] logits stored). Exclusive with OF3's kernel flags in "
+    "the same section.",
 )
 
 
