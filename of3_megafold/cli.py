@@ -23,10 +23,10 @@ BENCHMARKS = {
     "attention": ("attention_core", "attention_module"),
     "smooth-lddt": ("smooth_lddt",),
     "transition": ("transition",),
-    "step": ("step",),
 }
 """``of3-megafold bench <what>`` -> modules of ``of3_megafold.bench``, each with
-``run(out_json, quick)`` writing ``<out-dir>/<module>.json``."""
+``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` is the
+training-step harness's own command (:func:`of3_megafold.bench.step.step_command`)."""
 
 DEFAULT_BENCH_DIR = Path("docs") / "benchmarks"
 
@@ -235,29 +235,51 @@ def info(as_json: bool) -> None:
         click.echo("(no extensions registered)")
 
 
-@main.command()
-@click.argument("what", type=click.Choice(sorted(BENCHMARKS)))
-@click.option(
-    "--out-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_BENCH_DIR,
-    show_default=True,
-    help="Rows are appended to <out-dir>/<benchmark>.json.",
-)
-@click.option("--quick", is_flag=True, help="A tiny smoke run (works on CPU).")
-def bench(what: str, out_dir: Path, quick: bool) -> None:
+def _module_bench(what: str) -> click.Command:
+    @click.command(what, help=f"Benchmark {what}: the kit and stock OF3 side by side.")
+    @click.option(
+        "--out-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=DEFAULT_BENCH_DIR,
+        show_default=True,
+        help="Rows are appended to <out-dir>/<benchmark>.json.",
+    )
+    @click.option("--quick", is_flag=True, help="A tiny smoke run (works on CPU).")
+    def command(out_dir: Path, quick: bool) -> None:
+        import importlib
+
+        from of3_megafold import activate
+
+        activate()
+        for name in BENCHMARKS[what]:
+            module = importlib.import_module(f"of3_megafold.bench.{name}")
+            out = out_dir / f"{name}.json"
+            with _user_errors():
+                rows = module.run(out, quick=quick)
+            click.echo(f"{len(rows)} rows appended to {out}")
+
+    return command
+
+
+class _BenchGroup(click.Group):
+    """Builds its commands on demand, so the CLI does not import torch to start."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*BENCHMARKS, "step"])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.list_commands(ctx):
+            return None
+        if name == "step":
+            from of3_megafold.bench.step import step_command
+
+            return step_command
+        return _module_bench(name)
+
+
+@main.group(cls=_BenchGroup)
+def bench() -> None:
     """Compare the kit with stock OpenFold3 side by side, in one process."""
-    import importlib
-
-    from of3_megafold import activate
-
-    activate()
-    for name in BENCHMARKS[what]:
-        module = importlib.import_module(f"of3_megafold.bench.{name}")
-        out = out_dir / f"{name}.json"
-        with _user_errors():
-            rows = module.run(out, quick=quick)
-        click.echo(f"{len(rows)} rows appended to {out}")
 
 
 @main.command(

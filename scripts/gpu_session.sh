@@ -36,7 +36,7 @@ for spec in "$@"; do
         transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
-            "${step#bench-}" --out-dir "$OUT" ;;
+            "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py
         step) run step "${limit:-540}" python3 scripts/gpu_step.py "$OUT/step.json" $extra ;;
         *) echo "unknown step $step"; exit 2 ;;

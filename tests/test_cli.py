@@ -112,3 +112,13 @@ def test_every_overlay_in_runner_yamls_validates(runner_yaml):
             extension.check_config(config)
         if overlay.name == "all_on.yml":
             assert all(e.requested(config) for e in registry.EXTENSIONS.values())
+
+
+def test_bench_lists_every_benchmark_and_step_options():
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0
+    for name in ("attention", "smooth-lddt", "transition", "step"):
+        assert name in result.output
+    step_help = CliRunner().invoke(main, ["bench", "step", "--help"])
+    assert step_help.exit_code == 0
+    assert "--max-crop" in step_help.output and "--provider" in step_help.output
