@@ -200,6 +200,7 @@ def info_rows() -> list[dict]:
                 "installed": installed,
                 "available": available,
                 "reason": reason if installed else why_not_installed,
+                "docs": ext.docs,
                 "keys": [
                     {"yaml": k.yaml_path, "default": k.default, "help": k.help}
                     for k in ext.keys
@@ -227,6 +228,8 @@ def info(as_json: bool) -> None:
             f"{row['name']:<24}{yes[row['installed']]:<11}"
             f"{yes[row['available']]:<11}{row['reason']}"
         )
+        if row["docs"]:
+            click.echo(f"{'':4}docs: {row['docs']}")
         for key in row["keys"]:
             click.echo(f"{'':4}{key['yaml']} (default {key['default']!r})")
             for line in textwrap.wrap(key["help"], width=min(width, 100) - 8):

@@ -107,6 +107,7 @@ class Extension:
         validate: extra checks of a merged config beyond key choices (for example
             mutual exclusion with OF3's own kernel flags); raises KitConfigError.
         variants: values accepted after ``name:`` in ``force`` (first = default).
+        docs: the extension's page under ``docs/`` (shown by ``of3-megafold info``).
     """
 
     name: str

@@ -28,6 +28,7 @@ def test_info_json():
     assert result.exit_code == 0
     rows = {row["name"]: row for row in json.loads(result.output)}
     assert rows["smooth_lddt"]["installed"] is True
+    assert rows["smooth_lddt"]["docs"] == "docs/extensions/smooth_lddt.md"
     assert isinstance(rows["evoflash_attention"]["available"], bool)
 
 
@@ -122,3 +123,8 @@ def test_bench_lists_every_benchmark_and_step_options():
     step_help = CliRunner().invoke(main, ["bench", "step", "--help"])
     assert step_help.exit_code == 0
     assert "--max-crop" in step_help.output and "--provider" in step_help.output
+
+
+def test_every_extension_names_an_existing_docs_page():
+    for row in json.loads(CliRunner().invoke(main, ["info", "--json"]).output):
+        assert (ROOT / row["docs"]).is_file(), row["name"]

@@ -174,8 +174,8 @@ def _validate(config: Any) -> None:
 EXTENSION = registry.register(
     registry.Extension(
         name=NAME,
-        summary="Fused attention with pair bias (forward and backward) at every "
-        "OF3 attention call site",
+        summary="Fused attention with pair bias (forward and backward) for "
+        "triangle, single and diffusion attention",
         keys=KEYS,
         requested=registry.any_key_on(KEYS),
         enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
