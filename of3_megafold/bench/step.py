@@ -872,26 +872,14 @@ def run(
     Otherwise the full model at 384 and 768 tokens with 1024 MSA rows and 4
     templates (BASELINES.md table D), launches counted at 384.
     """
-    if quick:
-        return run_step_bench(
-            tokens=[48],
-            n_msa=16,
-            n_templ=2,
-            config="tiny",
-            repeats=3,
-            warmup=1,
-            out_json=out_json,
+    shape = (
+        dict(tokens=[48], n_msa=16, n_templ=2, config="tiny")
+        if quick
+        else dict(
+            tokens=[384, 768], n_msa=1024, n_templ=4, config="full", launch_tokens=[384]
         )
-    return run_step_bench(
-        tokens=[384, 768],
-        n_msa=1024,
-        n_templ=4,
-        config="full",
-        repeats=3,
-        warmup=1,
-        out_json=out_json,
-        launch_tokens=[384],
     )
+    return run_step_bench(repeats=3, warmup=1, out_json=out_json, **shape)
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
