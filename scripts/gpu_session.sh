@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels (.whl/, see docs/benchmarks.md),
 # then run the named steps, each logged to $OUT/<step>.log (results JSON to $OUT too).
 # A step may carry its own time limit in seconds: bench-attention@200.
-#   bash scripts/gpu_session.sh tests evoflash bench-transition@90 "step@200 --no-max-crop"
+#   bash scripts/gpu_session.sh tests evoflash profile bench-transition@90 "step@200 --no-max-crop"
 set -uo pipefail
 OUT="${OUT:-/tmp/of3mf-out}"
 mkdir -p "$OUT"
@@ -35,6 +35,7 @@ for spec in "$@"; do
         evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py ;;
         transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
+        profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
             "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py
