@@ -35,6 +35,9 @@ for spec in "$@"; do
         evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py ;;
         transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
+        # shellcheck disable=SC2086
+        profile-step) run profile-step "${limit:-480}" python3 scripts/gpu_profile_step.py \
+            "$OUT/profile_step.txt" $extra ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
             "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step

@@ -39,6 +39,10 @@ MAX_CROP_START = {"stock": 1024, "stock-triton": 1280, "kit": 1280}
 
 
 def _ints(text: str) -> list[int]:
+    """``384,768`` -> [384, 768]; ``none`` -> [] (e.g. ``--tokens none``: only the
+    largest-crop search)."""
+    if text.strip().lower() == "none":
+        return []
     return [int(part) for part in text.split(",") if part.strip()]
 
 
