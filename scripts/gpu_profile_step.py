@@ -1,17 +1,19 @@
 """Where a full-model training step spends its time, per kit extension, on one GPU.
 
-    python scripts/gpu_profile_step.py OUT.txt [--tokens 384] [--repeats 2]
+    python scripts/gpu_profile_step.py OUT.txt [--tokens 384,768] [--repeats 2]
+        [--provider kit] [--variants kit,stock,...] [--no-profile]
 
-Builds the full OF3 model once with every available kit extension on (the step
-harness of :mod:`of3_megafold.bench.step`), runs a warm-up step (autotuning), then
-times ``--repeats`` steps for each variant, toggling the runner-YAML flags on the
-live config between steps (OF3 and the kit read them at call time):
+Builds the full OF3 model once (the step harness of :mod:`of3_megafold.bench.step`,
+provider ``--provider``), and at each token count runs one warm-up step per variant
+(compilation, autotuning), then ``--repeats`` rounds of one step per variant,
+interleaved, toggling the runner-YAML flags on the live config between steps (OF3
+and the kit read them at call time):
 
-- ``kit``: every extension on;
+- ``kit``: every extension on; ``<extension>``: that one alone;
 - ``kit - <extension>``: one extension switched back to stock;
 - ``stock``: every extension off; ``stock-triton``: OF3's own Triton kernels on.
 
-Then profiles one step of ``kit`` and one of ``stock-triton`` and prints the GPU
+Then (unless ``--no-profile``) profiles one step of ``kit`` and one of ``stock-triton`` and prints the GPU
 time per kernel (top 25) and the total, so wall time above kernel time (host
 overhead) shows. Diagnostic only; the benchmark rows come from ``bench step``.
 """
@@ -47,8 +49,14 @@ def _set_triton(config, on: bool) -> None:
         config.settings.memory[mode]["use_triton_triangle_kernels"] = on
 
 
+VARIANTS = ("kit", *(f"kit - {ext}" for ext in FLAGS), *FLAGS, "stock",
+            "stock-triton")
+
+
 def _variant(config, name: str) -> None:
-    on = {ext: name == "kit" or (name.startswith("kit - ") and ext != name[6:])
+    """Set the flags of variant ``name``: ``kit`` (all on), ``kit - <ext>``,
+    ``<ext>`` alone, ``stock`` (all off) or ``stock-triton``."""
+    on = {ext: name in ("kit", ext) or (name.startswith("kit - ") and ext != name[6:])
           for ext in FLAGS}
     for ext, value in on.items():
         _set(config, ext, value)
@@ -68,9 +76,19 @@ def _kernel_table(prof, lines: list[str], title: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--tokens", type=int, default=384)
+    parser.add_argument("--tokens", default="384", help="comma-separated sizes")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--provider", default="kit",
+                        help="provider the model is built with (step harness name)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the kernel tables and autotuning choices")
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -85,28 +103,42 @@ def main() -> int:
         args.out.write_text("\n".join(lines) + "\n")
 
     started = time.perf_counter()
-    harness = TrainingStepHarness("full", "kit", "cuda")
-    say(f"model built in {time.perf_counter() - started:.0f} s")
-    batch = random_training_batch(args.tokens, 1024, 4, "cuda")
-    started = time.perf_counter()
-    harness.step(batch)
-    say(f"warm-up step (autotuning) {time.perf_counter() - started:.0f} s")
-    variants = ["kit", *(f"kit - {ext}" for ext in FLAGS), "stock", "stock-triton"]
-    for name in variants:
-        _variant(harness.config, name)
-        harness.step(batch)  # a new kernel path may compile or tune once
-        ms = [harness.step(batch).ms for _ in range(args.repeats)]
-        say(f"{name:32} {statistics.median(ms) / 1e3:7.2f} s/step  "
-            f"({', '.join(f'{m / 1e3:.2f}' for m in ms)})")
-    for name in ("kit", "stock-triton"):
-        _variant(harness.config, name)
-        harness.step(batch)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            wall = harness.step(batch).ms
-        _kernel_table(prof, lines, f"{name}, wall {wall:.0f} ms")
-        say(f"(profiled {name})")
-    _autotune_choices(say)
+    harness = TrainingStepHarness("full", args.provider, "cuda")
+    say(f"model built for {args.provider} in {time.perf_counter() - started:.0f} s")
+    for n_token in (int(t) for t in args.tokens.split(",")):
+        batch = random_training_batch(n_token, 1024, 4, "cuda")
+        # One warm-up step per variant (a new kernel path may compile or tune),
+        # then the variants interleaved, so drift of a shared machine hits all.
+        for name in variants:
+            _variant(harness.config, name)
+            started = time.perf_counter()
+            harness.step(batch)
+            say(f"{n_token} tokens, {name}: warm-up {time.perf_counter() - started:.0f} s")
+        ms = {name: [] for name in variants}
+        peak = {}
+        for _ in range(args.repeats):
+            for name in variants:
+                _variant(harness.config, name)
+                result = harness.step(batch)
+                ms[name].append(result.ms)
+                peak[name] = max(peak.get(name, 0.0), result.peak_gib or 0.0)
+        for name in variants:
+            say(f"{n_token} tokens, {name:30} {statistics.median(ms[name]) / 1e3:7.2f} "
+                f"s/step ({', '.join(f'{m / 1e3:.2f}' for m in ms[name])}), "
+                f"peak {peak[name]:.1f} GiB")
+        if args.no_profile:
+            continue
+        for name in ("kit", "stock-triton"):
+            _variant(harness.config, name)
+            harness.step(batch)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                wall = harness.step(batch).ms
+            _kernel_table(prof, lines, f"{n_token} tokens, {name}, wall {wall:.0f} ms")
+            say(f"(profiled {name})")
+        del batch
+    if not args.no_profile:
+        _autotune_choices(say)
     return 0
 
 
