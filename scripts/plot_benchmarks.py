@@ -45,6 +45,8 @@ IDENTITY_FIELDS = frozenset(
         "openfold3",
         "of3_megafold",
         "commit",
+        "commit_source",
+        "alloc_conf",
         "date",
         "cuda",
         "python",
@@ -260,15 +262,32 @@ def plot(
         )
         facets = facets[:MAX_FACETS]
     fig, axes = plt.subplots(
-        len(facets), 2, figsize=(11, 3.6 * len(facets)), squeeze=False
+        len(facets), 2, figsize=(13, 3.8 * len(facets)), squeeze=False
     )
+    # One colour per provider and one line style per dtype/precision, so more
+    # series than a colour cycle holds stay apart.
+    labels = sorted({label for series in groups.values() for label in series})
+    providers = sorted({label.split(" / ")[0] for label in labels})
+    variants = sorted({" / ".join(label.split(" / ")[1:]) for label in labels})
+    colours = plt.get_cmap("tab10" if len(providers) <= 10 else "tab20")
+    styles = ["-", "--", ":", "-."]
+
+    def style(label: str) -> dict:
+        provider, *rest = label.split(" / ")
+        return {
+            "color": colours(providers.index(provider) % colours.N),
+            "linestyle": styles[variants.index(" / ".join(rest)) % len(styles)],
+            "marker": "o",
+            "label": label,
+        }
+
     for (time_ax, mem_ax), facet in zip(axes, facets, strict=True):
         for label, points in sorted(groups[facet].items()):
             xs = [p[0] for p in points]
-            time_ax.plot(xs, [p[1] for p in points], marker="o", label=label)
+            time_ax.plot(xs, [p[1] for p in points], **style(label))
             mem = [(p[0], p[2]) for p in points if p[2] is not None]
             if mem:
-                mem_ax.plot(*zip(*mem, strict=True), marker="o", label=label)
+                mem_ax.plot(*zip(*mem, strict=True), **style(label))
         subtitle = facet_title(facet)
         time_ax.set_title(
             f"{title}: time" + (f" ({subtitle})" if subtitle else ""), fontsize=9
@@ -279,12 +298,17 @@ def plot(
         time_ax.set_ylabel("ms (median)")
         time_ax.set_yscale("log")
         mem_ax.set_ylabel("peak MiB")
+        if mem_ax.lines:
+            mem_ax.set_yscale("log")  # kernels use MiB where dense paths use GiB
         for ax in (time_ax, mem_ax):
             ax.set_xlabel(x_field)
             ax.grid(True, alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=8)
-            else:
+        if mem_ax.lines or time_ax.lines:
+            (mem_ax if mem_ax.lines else time_ax).legend(
+                fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0)
+            )
+        for ax in (time_ax, mem_ax):
+            if not ax.lines:
                 ax.text(
                     0.5,
                     0.5,

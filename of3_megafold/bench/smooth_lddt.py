@@ -50,7 +50,12 @@ EPS = 1e-8
 def make_inputs(
     n_atom: int, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Uniform ball at protein density, truth + N(0, 1 A) noise, all protein."""
+    """Uniform ball at protein density, truth + N(0, 1 A) noise, all protein.
+
+    Positions are in ``dtype``; masks and per-atom features stay float32, as in
+    OF3's batches under bf16 autocast (in bf16, counts of ones round: 50,000 atoms
+    would sum to 49,920 and break OF3's atom broadcasting).
+    """
     gen = torch.Generator().manual_seed(seed)
     radius = (3 * n_atom / (4 * math.pi * DENSITY)) ** (1 / 3)
     direction = torch.randn(n_atom, 3, generator=gen)
@@ -60,8 +65,8 @@ def make_inputs(
     return {
         "x": x[None].to(device, dtype),
         "truth": truth[None, None].to(device, dtype),
-        "is_nucleotide": torch.zeros(1, n_atom, device=device, dtype=dtype),
-        "atom_mask": torch.ones(1, 1, n_atom, device=device, dtype=dtype),
+        "is_nucleotide": torch.zeros(1, n_atom, device=device),
+        "atom_mask": torch.ones(1, 1, n_atom, device=device),
     }
 
 
