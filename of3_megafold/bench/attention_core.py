@@ -16,7 +16,12 @@ Providers, side by side in one process on the same inputs:
   larger diffusion size only).
 
 Shapes: triangle attention ``[1, N, N, 4, 32]`` (N = 256 ... 2048) and the diffusion
-transformer ``[1, 48, N, 16, 48]`` (N = 384, 768); bf16 q/k/v and pair bias. One
+transformer ``[1, 48, N, 16, 48]`` (N = 384, 768); bf16 q/k/v and pair bias. Case
+``diffusion-hp`` is the diffusion shape as OF3 trains it: OF3 calls the diffusion
+transformer's (and the trunk's single) attention with ``use_high_precision=True``, so
+its ``_attention`` runs in fp32 (bf16 q/k/v upcast); there ``torch`` upcasts, ``sdpa``
+gets fp32 inputs, ``kit`` runs ``high_precision=True`` (fp32 tiles; dots at torch's
+float32 matmul precision) and OF3's Triton kernel, which OF3 never uses there, sits out. One
 call = forward, backward with a fixed output gradient, gradients of q, k, v and the
 pair bias. ``tflops`` counts ``3.5 x 4 B S H N^2 D`` (forward + backward of the two
 matmuls), not any recomputation. On the first shape every provider's output and
@@ -48,6 +53,7 @@ def _cases(quick: bool, on_gpu: bool) -> list[dict[str, Any]]:
     cases = [dict(case="triangle", shape=(1, n, n, 4, 32)) for n in tri] + [
         dict(case="diffusion", shape=(1, 48, n, 16, 48)) for n in dif
     ]
+    cases += [dict(case="diffusion-hp", shape=(1, 48, n, 16, 48)) for n in dif]
     # The issue's target shapes first, so a time-boxed run measures them.
     targets = {(1, 1024, 1024, 4, 32), (1, 48, 768, 16, 48)}
     return sorted(cases, key=lambda c: c["shape"] not in targets)
@@ -69,20 +75,33 @@ def _inputs(shape, device, dtype, bias_dtype):
     return q, k, v, mask_bias, pair_bias, do
 
 
-def _forward_fn(provider: str):
-    """``f(q, k, v, mask_bias, pair_bias) -> o`` in the ``[B, S, N, H, D]`` layout."""
+HIGH_PRECISION_PROVIDERS = ("torch", "sdpa", "kit")
+
+
+def _forward_fn(provider: str, high_precision: bool = False):
+    """``f(q, k, v, mask_bias, pair_bias) -> o`` in the ``[B, S, N, H, D]`` layout;
+    ``high_precision``: OF3's ``use_high_precision`` numerics (fp32 attention)."""
     from of3_megafold.kernels.evoflash import (
         evoflash_attention,
         evoflash_attention_reference,
     )
 
     if provider == "torch":
-        return evoflash_attention_reference
+
+        def torch_attention(q, k, v, mask_bias, pair_bias):
+            return evoflash_attention_reference(
+                q, k, v, mask_bias, pair_bias, upcast=high_precision
+            )
+
+        return torch_attention
     if provider == "sdpa":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         def sdpa(q, k, v, mask_bias, pair_bias):
             B, S, N, H, D = q.shape
+            in_dtype = q.dtype
+            if high_precision:
+                q, k, v = q.float(), k.float(), v.float()
             attn_mask = (pair_bias + mask_bias).to(q.dtype).reshape(B * S, H, N, N)
 
             def heads(t):
@@ -92,7 +111,7 @@ def _forward_fn(provider: str):
                 o = torch.nn.functional.scaled_dot_product_attention(
                     heads(q), heads(k), heads(v), attn_mask=attn_mask
                 )
-            return o.transpose(1, 2).reshape(B, S, N, H, D)
+            return o.transpose(1, 2).reshape(B, S, N, H, D).to(in_dtype)
 
         return sdpa
     if provider == "of3-triton":
@@ -112,7 +131,8 @@ def _forward_fn(provider: str):
 
     def kit(q, k, v, mask_bias, pair_bias):
         return evoflash_attention(
-            q, k, v, mask_bias, pair_bias, deterministic=deterministic
+            q, k, v, mask_bias, pair_bias, deterministic=deterministic,
+            high_precision=high_precision,
         )
 
     return kit
@@ -168,7 +188,10 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
         shape = case["shape"]
         B, S, N, H, D = shape
         flops = 3.5 * 4 * B * S * H * N * N * D
+        high_precision = case["case"] == "diffusion-hp"
         for provider in providers:
+            if high_precision and provider not in HIGH_PRECISION_PROVIDERS:
+                continue
             fp32_bias = provider == "kit-fp32-bias"
             if fp32_bias and (N, case["case"]) not in (
                 (1024, "triangle"),
@@ -188,12 +211,14 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 dtype=str(dtype).removeprefix("torch."),
                 bias_dtype="float32" if fp32_bias else "bfloat16",
                 mode="fwd+bwd",
+                high_precision=high_precision,
+                matmul_precision=torch.get_float32_matmul_precision(),
             )
             try:
                 inputs = _inputs(
                     shape, device, dtype, torch.float32 if fp32_bias else dtype
                 )
-                forward = _forward_fn(provider)
+                forward = _forward_fn(provider, high_precision)
                 if index == 0:
                     row.update(_errors(forward, *inputs))
                 timing = timed_peak(_step(forward, *inputs))
