@@ -181,6 +181,11 @@ def activate(force: Iterable[str] | str = ()) -> None:
             raise
         _STATE.active = True
         logger.debug("of3-megafold active: %s", ", ".join(registry.EXTENSIONS))
+        # EvoPipe's dataset class, selectable by name in a runner YAML (OF3's
+        # dataset registries only grow; nothing uses it unless a YAML names it).
+        from of3_megafold.data.dataset import register as register_datasets
+
+        register_datasets()
 
     registry.FORCED.variants = chosen
 

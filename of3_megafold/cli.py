@@ -23,6 +23,7 @@ BENCHMARKS = {
     "attention": ("attention_core", "attention_module"),
     "smooth-lddt": ("smooth_lddt",),
     "transition": ("transition",),
+    "features": ("features",),
 }
 """``of3-megafold bench <what>`` -> modules of ``of3_megafold.bench``, each with
 ``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` is the
@@ -184,10 +185,74 @@ def predict(ctx: click.Context) -> None:
         of3_predict.main(args=ctx.args, prog_name="of3-megafold predict")
 
 
+@main.command()
+@click.option(
+    "--dataset-cache",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="dataset_paths.<name>.dataset_cache_file of the runner YAML.",
+)
+@click.option(
+    "--structures",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="dataset_paths.<name>.target_structures_directory.",
+)
+@click.option(
+    "--format",
+    "structure_format",
+    type=click.Choice(["npz", "pkl"]),
+    default="npz",
+    show_default=True,
+    help="dataset_paths.<name>.target_structure_file_format.",
+)
+@click.option(
+    "--out", required=True, type=click.Path(path_type=Path), help="Store directory."
+)
+@click.option(
+    "--conformers",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Conformer pool size per reference molecule; 0 keeps OF3's fresh "
+    "conformer per sample (samples identical to stock OF3's).",
+)
+@click.option(
+    "--reference-mols",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="dataset_paths.<name>.reference_molecule_directory (needed with "
+    "--conformers).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing store.")
+def precompute(
+    dataset_cache, structures, structure_format, out, conformers, reference_mols, force
+) -> None:
+    """Build an EvoPipe feature store (docs/extensions/precomputed_features.md).
+
+    Then train with `dataset_class: EvoPipeWeightedPDBDataset` and
+    `config.feature_store: <out>` in place of `WeightedPDBDataset`.
+    """
+    from of3_megafold.data.feature_store import build_feature_store
+
+    with _user_errors():
+        path = build_feature_store(
+            dataset_cache,
+            structures,
+            out,
+            structure_format,
+            conformers=conformers,
+            reference_mol_dir=reference_mols,
+            force=force,
+        )
+    click.echo(f"feature store written to {path}")
+
+
 def info_rows() -> list[dict]:
-    """One row per extension: installed, available, reason, YAML keys."""
+    """One row per extension (and EvoPipe's dataset adapter): installed, available,
+    reason, YAML keys."""
     import of3_megafold.extensions  # noqa: F401
-    from of3_megafold import registry
+    from of3_megafold import data, registry
 
     rows = []
     for ext in registry.EXTENSIONS.values():
@@ -207,6 +272,7 @@ def info_rows() -> list[dict]:
                 ],
             }
         )
+    rows.append(data.info_row())
     return rows
 
 

@@ -34,8 +34,9 @@ def _attention_case(s: int, n: int, h: int, d: int):
         for _ in range(3)
     )
     mask = torch.zeros(1, s, 1, 1, n, device=dev)
-    bias = torch.randn(1, 1, h, n, n, device=dev, dtype=torch.bfloat16,
-                       requires_grad=True)
+    bias = torch.randn(
+        1, 1, h, n, n, device=dev, dtype=torch.bfloat16, requires_grad=True
+    )
     do = torch.randn_like(q)
 
     def step():
@@ -106,13 +107,15 @@ def _profile(name: str, step, lines: list[str]) -> None:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     kernel_ms = sum(e.device_time_total for e in events) / 1e3 / REPEATS
-    lines.append(f"== {name}: wall {wall_ms:.3f} ms/call, kernels {kernel_ms:.3f} ms/call")
+    lines.append(
+        f"== {name}: wall {wall_ms:.3f} ms/call, kernels {kernel_ms:.3f} ms/call"
+    )
     for e in events[:12]:
         lines.append(
-            f"   {e.device_time_total / 1e3 / REPEATS:8.3f} ms  x{e.count // REPEATS:<3d} "
-            f"{e.key[:90]}"
+            f"   {e.device_time_total / 1e3 / REPEATS:8.3f} ms  "
+            f"x{e.count // REPEATS:<3d} {e.key[:90]}"
         )
-    print("\n".join(lines[-min(len(lines), 13):]), flush=True)
+    print("\n".join(lines[-min(len(lines), 13) :]), flush=True)
 
 
 def main() -> int:

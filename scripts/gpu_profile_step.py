@@ -13,9 +13,10 @@ and the kit read them at call time):
 - ``kit - <extension>``: one extension switched back to stock;
 - ``stock``: every extension off; ``stock-triton``: OF3's own Triton kernels on.
 
-Then (unless ``--no-profile``) profiles one step of ``kit`` and one of ``stock-triton`` and prints the GPU
-time per kernel (top 25) and the total, so wall time above kernel time (host
-overhead) shows. Diagnostic only; the benchmark rows come from ``bench step``.
+Then (unless ``--no-profile``) profiles one step of ``kit`` and one of
+``stock-triton`` and prints the GPU time per kernel (top 25) and the total, so wall
+time above kernel time (host overhead) shows. Diagnostic only; the benchmark rows
+come from ``bench step``.
 """
 
 from __future__ import annotations
@@ -49,15 +50,16 @@ def _set_triton(config, on: bool) -> None:
         config.settings.memory[mode]["use_triton_triangle_kernels"] = on
 
 
-VARIANTS = ("kit", *(f"kit - {ext}" for ext in FLAGS), *FLAGS, "stock",
-            "stock-triton")
+VARIANTS = ("kit", *(f"kit - {ext}" for ext in FLAGS), *FLAGS, "stock", "stock-triton")
 
 
 def _variant(config, name: str) -> None:
     """Set the flags of variant ``name``: ``kit`` (all on), ``kit - <ext>``,
     ``<ext>`` alone, ``stock`` (all off) or ``stock-triton``."""
-    on = {ext: name in ("kit", ext) or (name.startswith("kit - ") and ext != name[6:])
-          for ext in FLAGS}
+    on = {
+        ext: name in ("kit", ext) or (name.startswith("kit - ") and ext != name[6:])
+        for ext in FLAGS
+    }
     for ext, value in on.items():
         _set(config, ext, value)
     _set_triton(config, name == "stock-triton")
@@ -67,10 +69,14 @@ def _kernel_table(prof, lines: list[str], title: str) -> None:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / 1e3
-    lines.append(f"== {title}: GPU kernel time {total:.0f} ms, "
-                 f"{sum(e.count for e in events)} kernels")
+    lines.append(
+        f"== {title}: GPU kernel time {total:.0f} ms, "
+        f"{sum(e.count for e in events)} kernels"
+    )
     for e in events[:25]:
-        lines.append(f"   {e.device_time_total / 1e3:9.1f} ms  x{e.count:<6d} {e.key[:100]}")
+        lines.append(
+            f"   {e.device_time_total / 1e3:9.1f} ms  x{e.count:<6d} {e.key[:100]}"
+        )
 
 
 def main() -> int:
@@ -78,12 +84,21 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokens", default="384", help="comma-separated sizes")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--provider", default="kit",
-                        help="provider the model is built with (step harness name)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from: {', '.join(VARIANTS)}")
-    parser.add_argument("--no-profile", action="store_true",
-                        help="skip the kernel tables and autotuning choices")
+    parser.add_argument(
+        "--provider",
+        default="kit",
+        help="provider the model is built with (step harness name)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from: {', '.join(VARIANTS)}",
+    )
+    parser.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the kernel tables and autotuning choices",
+    )
     args = parser.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -113,7 +128,8 @@ def main() -> int:
             _variant(harness.config, name)
             started = time.perf_counter()
             harness.step(batch)
-            say(f"{n_token} tokens, {name}: warm-up {time.perf_counter() - started:.0f} s")
+            took = time.perf_counter() - started
+            say(f"{n_token} tokens, {name}: warm-up {took:.0f} s")
         ms = {name: [] for name in variants}
         peak = {}
         for _ in range(args.repeats):
@@ -123,9 +139,11 @@ def main() -> int:
                 ms[name].append(result.ms)
                 peak[name] = max(peak.get(name, 0.0), result.peak_gib or 0.0)
         for name in variants:
-            say(f"{n_token} tokens, {name:30} {statistics.median(ms[name]) / 1e3:7.2f} "
+            say(
+                f"{n_token} tokens, {name:30} {statistics.median(ms[name]) / 1e3:7.2f} "
                 f"s/step ({', '.join(f'{m / 1e3:.2f}' for m in ms[name])}), "
-                f"peak {peak[name]:.1f} GiB")
+                f"peak {peak[name]:.1f} GiB"
+            )
         if args.no_profile:
             continue
         for name in ("kit", "stock-triton"):
@@ -148,8 +166,10 @@ def _autotune_choices(say) -> None:
     from of3_megafold.kernels.swiglu_transition import _bwd, _fwd
 
     tuners = {
-        "evoflash fwd": evoflash._fwd, "evoflash dq": evoflash._dq,
-        "evoflash dkdv": evoflash._dkdv, "evoflash dbias": evoflash._dbias,
+        "evoflash fwd": evoflash._fwd,
+        "evoflash dq": evoflash._dq,
+        "evoflash dkdv": evoflash._dkdv,
+        "evoflash dbias": evoflash._dbias,
         "swiglu fwd": _fwd._swiglu_transition_fwd_kernel,
         "swiglu bwd input": _bwd._swiglu_transition_bwd_input_kernel,
         "swiglu bwd weight": _bwd._swiglu_transition_bwd_weight_kernel,

@@ -6,6 +6,7 @@ set here, before any test module imports the kit's kernels.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,3 +29,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture(scope="session")
+def demo_dataset(tmp_path_factory) -> Path:
+    """A demo set built from the installed openfold3's test data, in a tmp dir, once
+    per test session (the demo and EvoPipe tests share it)."""
+    from of3_megafold.demo.build import ensure_demo_dataset
+
+    return ensure_demo_dataset(tmp_path_factory.mktemp("demo-cache"), progress=False)

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_info_lists_every_extension_and_its_keys():
     result = CliRunner().invoke(main, ["info"])
     assert result.exit_code == 0, result.output
-    for name in ("smooth_lddt", "evoflash_attention", "evofusion_transitions"):
+    for name in (
+        "smooth_lddt",
+        "evoflash_attention",
+        "evofusion_transitions",
+        "precomputed_features",
+    ):
         assert name in result.output
+    assert "EvoPipeWeightedPDBDataset" in result.output
     assert (
         "model_update.custom.architecture.loss_module.diffusion.smooth_lddt_backend"
         in (result.output)

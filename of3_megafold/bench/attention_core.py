@@ -21,10 +21,10 @@ transformer ``[1, 48, N, 16, 48]`` (N = 384, 768); bf16 q/k/v and pair bias. Cas
 transformer's (and the trunk's single) attention with ``use_high_precision=True``, so
 its ``_attention`` runs in fp32 (bf16 q/k/v upcast); there ``torch`` upcasts, ``sdpa``
 gets fp32 inputs, ``kit`` runs ``high_precision=True`` (fp32 tiles; dots at torch's
-float32 matmul precision) and OF3's Triton kernel, which OF3 never uses there, sits out. One
-call = forward, backward with a fixed output gradient, gradients of q, k, v and the
-pair bias. ``tflops`` counts ``3.5 x 4 B S H N^2 D`` (forward + backward of the two
-matmuls), not any recomputation. On the first shape every provider's output and
+float32 matmul precision) and OF3's Triton kernel, which OF3 never uses there, sits
+out. One call = forward, backward with a fixed output gradient, gradients of q, k, v
+and the pair bias. ``tflops`` counts ``3.5 x 4 B S H N^2 D`` (forward + backward of
+the two matmuls), not any recomputation. On the first shape every provider's output and
 gradients are also compared with the fp32 reference (``err_*`` fields: max abs
 difference). A provider that runs out of memory gets ``error: out of memory``.
 """
@@ -131,7 +131,12 @@ def _forward_fn(provider: str, high_precision: bool = False):
 
     def kit(q, k, v, mask_bias, pair_bias):
         return evoflash_attention(
-            q, k, v, mask_bias, pair_bias, deterministic=deterministic,
+            q,
+            k,
+            v,
+            mask_bias,
+            pair_bias,
+            deterministic=deterministic,
             high_precision=high_precision,
         )
 

@@ -1,10 +1,6 @@
-"""One demo set, built once per test session, shared by the demo tests."""
-
-from pathlib import Path
+"""The demo tests run with the kit active (``demo_dataset`` is in tests/conftest.py)."""
 
 import pytest
-
-from of3_megafold.demo.build import ensure_demo_dataset
 
 
 @pytest.fixture(autouse=True)
@@ -13,9 +9,3 @@ def kit_active():
     from of3_megafold import activate
 
     activate()
-
-
-@pytest.fixture(scope="session")
-def demo_dataset(tmp_path_factory) -> Path:
-    """A demo set built from the installed openfold3's test data, in a tmp dir."""
-    return ensure_demo_dataset(tmp_path_factory.mktemp("demo-cache"), progress=False)

@@ -1,0 +1,166 @@
+"""``of3-megafold bench features``: time per training sample of OF3's data pipeline.
+
+On the demo set (15 PDB entries from the openfold3 wheel, 272 datapoints, crop 48
+tokens; see :mod:`of3_megafold.demo`), in one process, the same datapoints with the
+same seeds through:
+
+- ``of3``: OF3's ``WeightedPDBDataset.__getitem__``;
+- ``kit-store``: ``EvoPipeWeightedPDBDataset`` on a store without conformer pool
+  (samples equal OF3's; checked here on every datapoint timed);
+- ``kit-store-pool8``: the same with 8 pooled conformers per reference molecule.
+
+Providers are interleaved per datapoint so drift hits all. Rows: mean and median ms
+per sample over the datapoints, and the store's build time. The pipeline runs on the
+CPU (one core, as in one data-loader worker): the figures are the host's, whatever
+GPU is present.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from of3_megafold.bench.common import append_rows, environment_metadata
+
+POOL = 8
+TOKEN_BUDGET = 48
+
+
+def _dataset(paths: dict, dataset_class: str, **extra):
+    from openfold3.core.data.framework.single_datasets.abstract_single import (
+        DATASET_REGISTRY,
+    )
+    from openfold3.projects.of3_all_atom.config.dataset_configs import (
+        TrainingDatasetSpec,
+    )
+
+    config = {
+        "crop": {"token_crop": {"token_budget": TOKEN_BUDGET}},
+        "dataset_paths": paths,
+        **extra,
+    }
+    spec = TrainingDatasetSpec.model_validate(
+        {
+            "name": "demo",
+            "dataset_class": dataset_class,
+            "mode": "train",
+            "weight": 1.0,
+            "config": config,
+        }
+    )
+    return DATASET_REGISTRY[dataset_class](spec.config)
+
+
+def _sample(dataset, index: int, seed: int) -> tuple[dict, float]:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    sample = dataset[index]
+    return sample, (time.perf_counter() - started) * 1e3
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, torch.Tensor):
+            if not torch.equal(value, other):
+                return False
+        elif isinstance(value, dict):
+            if not _same(value, other):
+                return False
+        elif value != other:
+            return False
+    return True
+
+
+def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
+    """Time the three providers on the demo set; append rows to ``out_json``.
+
+    ``quick``: the first 12 datapoints (else all of them).
+    """
+    from of3_megafold.data.dataset import register
+
+    register()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one data-loader worker's share of the host
+    try:
+        return _run(out_json, quick)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(out_json: Path, quick: bool) -> list[dict[str, Any]]:
+    from of3_megafold.data.feature_store import build_feature_store
+    from of3_megafold.demo.build import demo_dataset_paths, ensure_demo_dataset
+
+    paths = demo_dataset_paths(ensure_demo_dataset())
+    meta = environment_metadata("cpu")
+    host = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="of3mf-evopipe-") as tmp:
+        stores, build_s = {}, {}
+        for provider, pool in (("kit-store", 0), (f"kit-store-pool{POOL}", POOL)):
+            started = time.perf_counter()
+            stores[provider] = build_feature_store(
+                paths["dataset_cache_file"],
+                paths["target_structures_directory"],
+                Path(tmp) / provider,
+                conformers=pool,
+                reference_mol_dir=paths["reference_molecule_directory"],
+                progress=False,
+            )
+            build_s[provider] = time.perf_counter() - started
+        datasets = {"of3": _dataset(paths, "WeightedPDBDataset")}
+        for provider, store in stores.items():
+            datasets[provider] = _dataset(
+                paths, "EvoPipeWeightedPDBDataset", feature_store=store
+            )
+        count = min(12, len(datasets["of3"])) if quick else len(datasets["of3"])
+        times: dict[str, list[float]] = {name: [] for name in datasets}
+        mismatches = 0
+        for index in range(count):
+            samples = {}
+            for name, dataset in datasets.items():
+                samples[name], ms = _sample(dataset, index, seed=index)
+                times[name].append(ms)
+            mismatches += not _same(samples["of3"], samples["kit-store"])
+    rows = []
+    for name, values in times.items():
+        row = {
+            "bench": "features",
+            "provider": name,
+            "dataset": "demo",
+            "token_budget": TOKEN_BUDGET,
+            "samples": count,
+            "ms": statistics.mean(values),
+            "median_ms": statistics.median(values),
+            "build_s": build_s.get(name),
+            "conformer_pool": POOL if name.endswith(f"pool{POOL}") else 0,
+            **({"equal_to_of3": mismatches == 0} if name == "kit-store" else {}),
+            **host,
+            **meta,
+        }
+        rows.append(row)
+        print(
+            f"{name:18} {row['ms']:8.1f} ms/sample (median {row['median_ms']:.1f}) "
+            f"over {count} samples"
+            + (f", store built in {row['build_s']:.1f} s" if row["build_s"] else ""),
+            flush=True,
+        )
+    append_rows(out_json, rows)
+    if mismatches:
+        raise AssertionError(
+            f"kit-store samples differ from OF3's on {mismatches} datapoints"
+        )
+    return rows

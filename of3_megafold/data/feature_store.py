@@ -1,0 +1,382 @@
+"""EvoPipe's feature store: the deterministic part of OF3's structure pipeline, once.
+
+For every structure in an OF3 dataset cache, OF3's training ``__getitem__`` repeats
+the same work before it draws anything at random (``process_target_structure_of3``):
+read the preprocessed structure, mark its components from the cache's chain metadata,
+tokenize. :func:`build_feature_store` runs those steps once per structure with OF3's
+own functions and pickles the tokenized ``AtomArray``; the dataset adapter in
+:mod:`of3_megafold.data.dataset` loads it and runs only what follows (cropping and
+everything after it), so a sample is the same as stock OF3's for the same random state.
+
+The costliest step of a sample is random: a fresh RDKit ETKDG conformer for every
+component in the crop (standard residues included; about 60% of ``__getitem__`` on
+the demo set). With ``conformers=P > 0`` the store also holds, for every reference
+molecule, P conformers generated once by OF3's own ``multistrategy_compute_conformer``
+(same strategies and timeouts, seeds 0..P-1), and the adapter draws one of them
+uniformly (Python's ``random``, as OF3 draws its ETKDG seeds) instead of generating a
+new one. That changes the sampling: a pool of P conformers per molecule instead of a
+new one each time; a failed generation keeps OF3's fallback conformer, as in OF3.
+
+Store layout (a directory)::
+
+    manifest.json           format version, openfold3 / kit versions, the structure
+                            format, the dataset cache's SHA-256, the PDB IDs, P
+    structures/<pdb>.pkl    the tokenized AtomArray of one structure
+    conformers.pkl          (P > 0) {(canonical SMILES, atom names): pool}
+
+The store is built in a sibling staging directory and moved into place in one
+``os.replace``: an interrupted or failed build leaves no store (and any previous store
+untouched until the new one is complete).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from of3_megafold.errors import KitError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STRUCTURES = "structures"
+CONFORMERS = "conformers.pkl"
+
+
+class FeatureStoreError(KitError, RuntimeError):
+    """A feature store is missing, stale, incomplete or cannot be built."""
+
+
+def _stamp() -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "openfold3": version("openfold3"),
+        "of3_megafold": version("of3-megafold"),
+    }
+
+
+def dataset_cache_digest(path: Path | str) -> str:
+    """SHA-256 of a dataset cache: the JSON file, or every file of an LMDB directory
+    (names and bytes, in sorted order)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = (
+        sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    )
+    for file in files:
+        digest.update(
+            str(file.relative_to(path) if path.is_dir() else file.name).encode()
+        )
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenized_structure(
+    structures_dir: Path, pdb_id: str, structure_format: str, chain_metadata: Any
+):
+    """The deterministic head of OF3's ``process_target_structure_of3``: parse the
+    preprocessed structure, drop the legacy ``sym_id = -1`` annotation as OF3 does,
+    mark the components from the cache's chain metadata, tokenize."""
+    import numpy as np
+    from openfold3.core.data.io.structure.cif import parse_target_structure
+    from openfold3.core.data.primitives.structure.component import (
+        assign_component_ids_from_metadata,
+    )
+    from openfold3.core.data.primitives.structure.tokenization import (
+        tokenize_atom_array,
+    )
+
+    atom_array = parse_target_structure(Path(structures_dir), pdb_id, structure_format)
+    if "sym_id" in atom_array.get_annotation_categories() and np.any(
+        atom_array.sym_id == -1
+    ):
+        atom_array.del_annotation("sym_id")
+    assign_component_ids_from_metadata(atom_array, chain_metadata)
+    tokenize_atom_array(atom_array=atom_array)
+    return atom_array
+
+
+def conformer_key(mol: Any) -> tuple[str, tuple[str, ...]]:
+    """How the pool finds a molecule again: its canonical SMILES and its sorted
+    (uniquified) atom names, which survive OF3's atom renumbering."""
+    from openfold3.core.data.primitives.structure.labels import uniquify_ids
+    from rdkit import Chem
+
+    names = uniquify_ids([atom.GetProp("annot_atom_name") for atom in mol.GetAtoms()])
+    return Chem.MolToSmiles(mol), tuple(sorted(names))
+
+
+# OF3's per-strategy timeouts in get_processed_reference_conformer (0.5.0).
+_CONFORMER_TIMEOUTS = {
+    "default": 10.0,
+    "small_ring_torsions": 10.0,
+    "random_init": 10.0,
+}
+
+
+@dataclass(frozen=True)
+class ConformerPool:
+    """P conformers of one molecule, by uniquified atom name.
+
+    Attributes:
+        names: ``[n]`` atom names (uniquified, the stored molecule's order).
+        coords: ``[P, n, 3]`` float64 (a failed generation: all NaN).
+        strategies: ``[P]`` OF3 strategy that produced each, ``None`` if it failed.
+    """
+
+    names: tuple[str, ...]
+    coords: Any
+    strategies: tuple[str | None, ...]
+
+
+def _conformer_pool(mol: Any, start_from: str, size: int) -> ConformerPool:
+    import random
+
+    import numpy as np
+    from func_timeout import FunctionTimedOut
+    from openfold3.core.data.primitives.structure.conformer import (
+        ConformerGenerationError,
+        multistrategy_compute_conformer,
+    )
+    from openfold3.core.data.primitives.structure.labels import uniquify_ids
+
+    names = tuple(uniquify_ids([a.GetProp("annot_atom_name") for a in mol.GetAtoms()]))
+    coords = np.full((size, len(names), 3), np.nan)
+    strategies: list[str | None] = []
+    state = random.getstate()
+    try:
+        for index in range(size):
+            random.seed(index)  # OF3 draws each ETKDG seed from Python's random
+            try:
+                result = multistrategy_compute_conformer(
+                    mol, remove_hs=True, start_from=start_from,
+                    timeouts=_CONFORMER_TIMEOUTS,
+                )  # fmt: skip
+            except (ConformerGenerationError, FunctionTimedOut):
+                strategies.append(None)  # OF3 keeps the fallback conformer there
+                continue
+            out = result.mol
+            got = uniquify_ids([a.GetProp("annot_atom_name") for a in out.GetAtoms()])
+            positions = out.GetConformer(result.conf_id).GetPositions()
+            where = {name: i for i, name in enumerate(got)}
+            coords[index] = positions[[where[name] for name in names]]
+            strategies.append(result.strategy)
+    finally:
+        random.setstate(state)
+    return ConformerPool(names, coords, tuple(strategies))
+
+
+def _build_conformer_pools(
+    cache: Any, reference_mol_dir: Path, size: int, progress: bool
+) -> dict:
+    from openfold3.core.data.io.structure.mol import read_single_annotated_sdf
+    from tqdm.auto import tqdm
+
+    pools = {}
+    for ref_mol_id in tqdm(
+        sorted(cache.reference_molecule_data),
+        desc=f"EvoPipe: {size} conformers per reference molecule",
+        disable=not progress,
+    ):
+        meta = cache.reference_molecule_data[ref_mol_id]
+        if meta.conformer_gen_strategy == "use_fallback":
+            continue  # OF3 never generates one for these
+        path = reference_mol_dir / f"{ref_mol_id}.sdf"
+        try:
+            mol = read_single_annotated_sdf(path)
+            pools[conformer_key(mol)] = _conformer_pool(
+                mol, meta.conformer_gen_strategy, size
+            )
+        except Exception as error:
+            raise FeatureStoreError(
+                f"cannot precompute conformers of {ref_mol_id} ({path}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
+    return pools
+
+
+def build_feature_store(
+    dataset_cache_file: Path | str,
+    structures_dir: Path | str,
+    out_dir: Path | str,
+    structure_format: str = "npz",
+    *,
+    conformers: int = 0,
+    reference_mol_dir: Path | str | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Precompute the tokenized structure of every entry of a dataset cache.
+
+    Args:
+        dataset_cache_file: OF3's training dataset cache (JSON file or LMDB dir), as
+            in the runner YAML's ``dataset_paths.<name>.dataset_cache_file``.
+        structures_dir: ``target_structures_directory`` (``<pdb>/<pdb>.<format>``).
+        out_dir: where the store goes; must not exist unless ``force``.
+        structure_format: ``target_structure_file_format`` (``npz`` or ``pkl``).
+        conformers: P, the conformer pool size per reference molecule; 0 (default)
+            keeps OF3's fresh conformer per sample (samples then equal stock OF3's).
+        reference_mol_dir: ``reference_molecule_directory``; needed when P > 0.
+        force: replace an existing store (only once the new one is complete).
+        progress: show a progress bar.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        FeatureStoreError: ``out_dir`` exists (without ``force``), or a structure
+            cannot be read or tokenized (the message names it; nothing is written).
+    """
+    from openfold3.core.data.io.dataset_cache import read_datacache
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    if conformers < 0:
+        raise FeatureStoreError(f"conformers must be >= 0, got {conformers}")
+    if conformers and reference_mol_dir is None:
+        raise FeatureStoreError(
+            "a conformer pool needs the reference molecules: pass "
+            "--reference-mols (dataset_paths.<name>.reference_molecule_directory)"
+        )
+    if out_dir.exists() and not force:
+        raise FeatureStoreError(
+            f"{out_dir} already exists; pass --force to rebuild it, or choose another "
+            "directory"
+        )
+    cache = read_datacache(dataset_cache_file)
+    pdb_ids = sorted(cache.structure_data)
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / STRUCTURES).mkdir(parents=True)
+    try:
+        for pdb_id in tqdm(
+            pdb_ids, desc="EvoPipe: tokenizing structures", disable=not progress
+        ):
+            try:
+                atom_array = tokenized_structure(
+                    Path(structures_dir),
+                    pdb_id,
+                    structure_format,
+                    cache.structure_data[pdb_id].chains,
+                )
+            except Exception as error:
+                raise FeatureStoreError(
+                    f"cannot precompute {pdb_id} from {structures_dir}: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            with open(staging / STRUCTURES / f"{pdb_id}.pkl", "wb") as handle:
+                pickle.dump(atom_array, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        if conformers:
+            pools = _build_conformer_pools(
+                cache, Path(reference_mol_dir), conformers, progress
+            )
+            with open(staging / CONFORMERS, "wb") as handle:
+                pickle.dump(pools, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        manifest = {
+            **_stamp(),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "structure_format": structure_format,
+            "dataset_cache_sha256": dataset_cache_digest(dataset_cache_file),
+            "pdb_ids": pdb_ids,
+            "conformers": conformers,
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Swap ``staging`` in for ``target``; an old ``target`` goes only afterwards."""
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class FeatureStore:
+    """A built store, opened and checked against the installed versions.
+
+    Use :meth:`open`; :meth:`structure` loads one entry.
+    """
+
+    root: Path
+    manifest: dict[str, Any]
+    pools: dict | None = None
+
+    @classmethod
+    def open(
+        cls, root: Path | str, dataset_cache_file: Path | str | None = None
+    ) -> FeatureStore:
+        """Open the store at ``root``.
+
+        Raises:
+            FeatureStoreError: no complete store there, it was built by another
+                openfold3 / kit format, or (with ``dataset_cache_file``) from a
+                different dataset cache. The message says how to rebuild it.
+        """
+        root = Path(root)
+        rebuild = (
+            f"build it with `of3-megafold precompute --dataset-cache ... --structures "
+            f"... --out {root}` (add --force to replace it)"
+        )
+        manifest_path = root / MANIFEST
+        if not manifest_path.is_file():
+            raise FeatureStoreError(f"no feature store at {root}: {rebuild}")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as error:
+            raise FeatureStoreError(
+                f"{manifest_path} is not valid JSON ({error}); {rebuild}"
+            ) from error
+        stamp = _stamp()
+        stale = {
+            key: (manifest.get(key), value)
+            for key, value in stamp.items()
+            if key != "of3_megafold" and manifest.get(key) != value
+        }
+        if stale:
+            found = ", ".join(
+                f"{k} {old!r} (installed: {new!r})" for k, (old, new) in stale.items()
+            )
+            raise FeatureStoreError(
+                f"feature store {root} was built with {found}; {rebuild}"
+            )
+        if dataset_cache_file is not None:
+            digest = dataset_cache_digest(dataset_cache_file)
+            if manifest.get("dataset_cache_sha256") != digest:
+                raise FeatureStoreError(
+                    f"feature store {root} was built from another dataset cache than "
+                    f"{dataset_cache_file} (SHA-256 differs); {rebuild}"
+                )
+        pools = None
+        if manifest.get("conformers"):
+            with open(root / CONFORMERS, "rb") as handle:
+                pools = pickle.load(handle)
+        return cls(root, manifest, pools)
+
+    def structure(self, pdb_id: str):
+        """The tokenized ``AtomArray`` of ``pdb_id`` (a fresh object on every call)."""
+        path = self.root / STRUCTURES / f"{pdb_id}.pkl"
+        try:
+            with open(path, "rb") as handle:
+                return pickle.load(handle)
+        except FileNotFoundError:
+            raise FeatureStoreError(
+                f"{pdb_id} is not in the feature store {self.root} (built for "
+                f"{len(self.manifest.get('pdb_ids', []))} structures); rebuild it for "
+                "this dataset cache with `of3-megafold precompute ... --force`"
+            ) from None

@@ -1,0 +1,16 @@
+"""``bench features`` on the demo set: rows for the three providers, and the exact
+store's samples checked equal to OF3's."""
+
+import json
+
+
+def test_quick_run_writes_rows(demo_dataset, tmp_path, monkeypatch):
+    from of3_megafold.bench.features import run
+
+    monkeypatch.setenv("OF3_MEGAFOLD_CACHE", str(demo_dataset.parent))
+    rows = run(tmp_path / "features.json", quick=True)
+    assert [r["provider"] for r in rows] == ["of3", "kit-store", "kit-store-pool8"]
+    by = {r["provider"]: r for r in rows}
+    assert by["kit-store"]["equal_to_of3"] is True
+    assert all(r["samples"] == 12 and r["ms"] > 0 for r in rows)
+    assert len(json.loads((tmp_path / "features.json").read_text())) == 3

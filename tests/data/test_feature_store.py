@@ -1,0 +1,242 @@
+"""EvoPipe: the feature store and the dataset adapter, on the demo set (CPU)."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from of3_megafold.data.feature_store import (
+    FeatureStore,
+    FeatureStoreError,
+    build_feature_store,
+)
+from of3_megafold.demo.build import demo_dataset_paths
+
+
+@pytest.fixture(scope="module")
+def paths(demo_dataset):
+    return demo_dataset_paths(demo_dataset)
+
+
+def _build(paths, out, **kwargs):
+    return build_feature_store(
+        paths["dataset_cache_file"],
+        paths["target_structures_directory"],
+        out,
+        "npz",
+        reference_mol_dir=paths["reference_molecule_directory"],
+        progress=False,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def exact_store(paths, tmp_path_factory):
+    return _build(paths, tmp_path_factory.mktemp("evopipe") / "store")
+
+
+@pytest.fixture(scope="module")
+def pooled_store(paths, tmp_path_factory):
+    return _build(paths, tmp_path_factory.mktemp("evopipe") / "store", conformers=3)
+
+
+def _dataset(paths, dataset_class, **extra):
+    from openfold3.core.data.framework.single_datasets.abstract_single import (
+        DATASET_REGISTRY,
+    )
+    from openfold3.projects.of3_all_atom.config.dataset_configs import (
+        TrainingDatasetSpec,
+    )
+
+    from of3_megafold.data.dataset import register
+
+    register()
+    config = {
+        "crop": {"token_crop": {"token_budget": 48}},
+        "dataset_paths": paths,
+        **extra,
+    }
+    spec = TrainingDatasetSpec.model_validate(
+        {
+            "name": "demo",
+            "dataset_class": dataset_class,
+            "mode": "train",
+            "weight": 1.0,
+            "config": config,
+        }
+    )
+    return DATASET_REGISTRY[dataset_class](spec.config)
+
+
+def _sample(dataset, index: int, seed: int) -> dict:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return dataset[index]
+
+
+def _assert_same_layout(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert (value.shape, value.dtype) == (b[key].shape, b[key].dtype), key
+
+
+INDICES = (0, 7, 31, 101, 199)
+
+
+def test_store_samples_equal_stock_samples(paths, exact_store):
+    stock = _dataset(paths, "WeightedPDBDataset")
+    kit = _dataset(paths, "EvoPipeWeightedPDBDataset", feature_store=exact_store)
+    assert len(kit) == len(stock)
+    for seed, index in enumerate(INDICES):
+        want, got = _sample(stock, index, seed), _sample(kit, index, seed)
+        _assert_same_layout(want, got)
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, got[key]), key
+            elif isinstance(value, dict):
+                for name, tensor in value.items():
+                    assert torch.equal(tensor, got[key][name]), (key, name)
+            else:
+                assert value == got[key], key
+
+
+def test_pooled_conformers_keep_the_features_and_come_from_the_pool(
+    paths, pooled_store
+):
+    from openfold3.core.data.primitives.structure import conformer as of3_conformer
+
+    stock = _dataset(paths, "WeightedPDBDataset")
+    kit = _dataset(paths, "EvoPipeWeightedPDBDataset", feature_store=pooled_store)
+    store = kit.feature_store
+    assert store.pools and all(len(p.strategies) == 3 for p in store.pools.values())
+
+    generated = {"stock": 0, "kit": 0}
+    original = of3_conformer._compute_conformer
+    current = ["stock"]
+
+    def counting(*args, **kwargs):
+        generated[current[0]] += 1
+        return original(*args, **kwargs)
+
+    of3_conformer._compute_conformer = counting
+    try:
+        for seed, index in enumerate(INDICES):
+            current[0] = "stock"
+            want = _sample(stock, index, seed)
+            current[0] = "kit"
+            got = _sample(kit, index, seed)
+            _assert_same_layout(want, got)
+            assert torch.isfinite(got["ref_pos"]).all()
+    finally:
+        of3_conformer._compute_conformer = original
+    # Stock OF3 runs ETKDG for every component in every crop; with the pool, every
+    # molecule of the demo set is known and none is generated.
+    assert generated["stock"] > 0
+    assert generated["kit"] == 0
+
+
+def test_pooled_conformer_is_a_pool_member_under_any_atom_order(paths, pooled_store):
+    from openfold3.core.data.io.structure.mol import read_single_annotated_sdf
+    from openfold3.core.data.primitives.structure.labels import uniquify_ids
+    from rdkit import Chem
+
+    from of3_megafold.data.dataset import pooled_conformer
+    from of3_megafold.data.feature_store import conformer_key
+
+    store = FeatureStore.open(pooled_store)
+    mol = read_single_annotated_sdf(paths["reference_molecule_directory"] + "/ARG.sdf")
+    pool = store.pools[conformer_key(mol)]
+    order = list(reversed(range(mol.GetNumAtoms())))
+    shuffled = Chem.RenumberAtoms(mol, order)
+    assert conformer_key(shuffled) == conformer_key(mol)
+    random.seed(5)
+    index = random.randrange(3)
+    random.seed(5)
+    result = pooled_conformer(pool, shuffled)
+    positions = result.mol.GetConformer(result.conf_id).GetPositions()
+    names = uniquify_ids([a.GetProp("annot_atom_name") for a in shuffled.GetAtoms()])
+    where = {name: i for i, name in enumerate(pool.names)}
+    expected = pool.coords[index][[where[n] for n in names]]
+    np.testing.assert_allclose(positions, expected)
+    assert result.strategy == pool.strategies[index]
+
+
+def test_a_bad_structure_is_named_and_nothing_is_written(paths, tmp_path):
+    structures = tmp_path / "structures"
+    shutil.copytree(paths["target_structures_directory"], structures)
+    victim = sorted(structures.iterdir())[3]
+    (victim / f"{victim.name}.npz").write_bytes(b"not an npz")
+    out = tmp_path / "store"
+    with pytest.raises(FeatureStoreError, match=victim.name):
+        build_feature_store(
+            paths["dataset_cache_file"], structures, out, progress=False
+        )
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["structures"]  # no staging left
+
+
+def test_an_existing_store_is_replaced_only_with_force(paths, tmp_path):
+    out = _build(paths, tmp_path / "store")
+    with pytest.raises(FeatureStoreError, match="--force"):
+        _build(paths, out)
+    stamp = json.loads((out / "manifest.json").read_text())["created"]
+    _build(paths, out, force=True, conformers=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["conformers"] == 1 and manifest["created"] >= stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+def test_stale_or_foreign_stores_are_refused(paths, exact_store, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(exact_store, store)
+    FeatureStore.open(store, paths["dataset_cache_file"])  # fine as built
+
+    other_cache = tmp_path / "other_cache.json"
+    other_cache.write_text(Path(paths["dataset_cache_file"]).read_text() + "\n")
+    with pytest.raises(FeatureStoreError, match="another dataset cache"):
+        FeatureStore.open(store, other_cache)
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["openfold3"] = "0.0.1"
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FeatureStoreError, match="openfold3 '0.0.1'.*precompute"):
+        FeatureStore.open(store)
+
+    with pytest.raises(FeatureStoreError, match="no feature store"):
+        FeatureStore.open(tmp_path / "missing")
+    with pytest.raises(FeatureStoreError, match="not in the feature store"):
+        FeatureStore.open(exact_store).structure("9zzz")
+
+
+def test_the_adapter_refuses_a_missing_store(paths, tmp_path):
+    with pytest.raises(FeatureStoreError, match="no feature store"):
+        _dataset(paths, "EvoPipeWeightedPDBDataset", feature_store=tmp_path / "missing")
+
+
+def test_precompute_command(paths, tmp_path):
+    from click.testing import CliRunner
+
+    from of3_megafold.cli import main
+
+    out = tmp_path / "store"
+    args = [
+        "precompute",
+        "--dataset-cache", paths["dataset_cache_file"],
+        "--structures", paths["target_structures_directory"],
+        "--out", str(out),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "feature store written" in result.output
+    assert FeatureStore.open(out).manifest["conformers"] == 0
+
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 1 and "--force" in again.output
+    pooled = CliRunner().invoke(main, [*args, "--force", "--conformers", "2"])
+    assert pooled.exit_code == 1 and "--reference-mols" in pooled.output
