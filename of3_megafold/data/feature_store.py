@@ -374,6 +374,12 @@ class FeatureStore:
         try:
             with open(path, "rb") as handle:
                 return pickle.load(handle)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as err:
+            raise FeatureStoreError(
+                f"entry {pdb_id} of the feature store {self.root} is damaged "
+                f"({type(err).__name__}: {err}); rebuild the store with "
+                "`of3-megafold precompute ... --force`"
+            ) from err
         except FileNotFoundError:
             raise FeatureStoreError(
                 f"{pdb_id} is not in the feature store {self.root} (built for "

@@ -240,3 +240,33 @@ def test_precompute_command(paths, tmp_path):
     assert again.exit_code == 1 and "--force" in again.output
     pooled = CliRunner().invoke(main, [*args, "--force", "--conformers", "2"])
     assert pooled.exit_code == 1 and "--reference-mols" in pooled.output
+
+
+def test_the_adapter_works_in_a_spawned_data_loader_worker(
+    paths, pooled_store, tmp_path
+):
+    # A spawned worker starts a fresh interpreter: it unpickles the dataset (finding
+    # the class through of3_megafold.data.dataset) and installs the store dispatch
+    # itself, without the parent's activate().
+    store = tmp_path / "store"
+    shutil.copytree(pooled_store, store)
+    kit = _dataset(paths, "EvoPipeWeightedPDBDataset", feature_store=store)
+    pdb_id = kit.datapoint_cache.iloc[3]["pdb_id"]
+
+    def load_one():
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.Subset(kit, [3]),
+            batch_size=None,
+            num_workers=1,
+            multiprocessing_context="spawn",
+        )
+        (sample,) = list(loader)
+        return sample
+
+    sample = load_one()
+    assert sample["pdb_id"] == pdb_id
+    assert torch.isfinite(sample["ref_pos"]).all()
+    # The worker really reads the store: with the entry broken, the sample fails.
+    (store / "structures" / f"{pdb_id}.pkl").write_bytes(b"broken")
+    with pytest.raises(Exception, match=f"entry {pdb_id} .* is damaged"):
+        load_one()
