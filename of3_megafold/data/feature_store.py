@@ -364,8 +364,14 @@ class FeatureStore:
                 )
         pools = None
         if manifest.get("conformers"):
-            with open(root / CONFORMERS, "rb") as handle:
-                pools = pickle.load(handle)
+            try:
+                with open(root / CONFORMERS, "rb") as handle:
+                    pools = pickle.load(handle)
+            except (OSError, pickle.UnpicklingError, EOFError) as err:
+                raise FeatureStoreError(
+                    f"the conformer pool of {root} cannot be read "
+                    f"({type(err).__name__}: {err}); {rebuild}"
+                ) from err
         return cls(root, manifest, pools)
 
     def structure(self, pdb_id: str):

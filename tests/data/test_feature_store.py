@@ -210,6 +210,14 @@ def test_stale_or_foreign_stores_are_refused(paths, exact_store, tmp_path):
 
     with pytest.raises(FeatureStoreError, match="no feature store"):
         FeatureStore.open(tmp_path / "missing")
+
+    pooled = tmp_path / "pooled"
+    shutil.copytree(exact_store, pooled)
+    manifest = json.loads((pooled / "manifest.json").read_text())
+    manifest["conformers"] = 4  # claims a pool it does not have
+    (pooled / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FeatureStoreError, match="conformer pool .* cannot be read"):
+        FeatureStore.open(pooled)
     with pytest.raises(FeatureStoreError, match="not in the feature store"):
         FeatureStore.open(exact_store).structure("9zzz")
 
