@@ -1,8 +1,8 @@
 """``of3-megafold bench features``: time per training sample of OF3's data pipeline.
 
-On the demo set (15 PDB entries from the openfold3 wheel, 272 datapoints, crop 48
-tokens; see :mod:`of3_megafold.demo`), in one process, the same datapoints with the
-same seeds through:
+On the demo set (15 PDB entries from the openfold3 wheel, 272 datapoints; see
+:mod:`of3_megafold.demo`) at two token budgets (48, the demo's, and 384, a training
+crop), in one process, the same datapoints with the same seeds through:
 
 - ``of3``: OF3's ``WeightedPDBDataset.__getitem__``;
 - ``kit-store``: ``EvoPipeWeightedPDBDataset`` on a store without conformer pool
@@ -32,10 +32,11 @@ import torch
 from of3_megafold.bench.common import append_rows, environment_metadata
 
 POOL = 8
-TOKEN_BUDGET = 48
+TOKEN_BUDGETS = (48, 384)
+QUICK_SAMPLES = 6
 
 
-def _dataset(paths: dict, dataset_class: str, **extra):
+def _dataset(paths: dict, dataset_class: str, token_budget: int, **extra):
     from openfold3.core.data.framework.single_datasets.abstract_single import (
         DATASET_REGISTRY,
     )
@@ -44,7 +45,7 @@ def _dataset(paths: dict, dataset_class: str, **extra):
     )
 
     config = {
-        "crop": {"token_crop": {"token_budget": TOKEN_BUDGET}},
+        "crop": {"token_crop": {"token_budget": token_budget}},
         "dataset_paths": paths,
         **extra,
     }
@@ -86,9 +87,10 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
-    """Time the three providers on the demo set; append rows to ``out_json``.
+    """Time the three providers on the demo set at each token budget; append rows
+    to ``out_json``.
 
-    ``quick``: the first 12 datapoints (else all of them).
+    ``quick``: the first 6 datapoints (else all of them).
     """
     from of3_megafold.data.dataset import register
 
@@ -121,43 +123,46 @@ def _run(out_json: Path, quick: bool) -> list[dict[str, Any]]:
                 progress=False,
             )
             build_s[provider] = time.perf_counter() - started
-        datasets = {"of3": _dataset(paths, "WeightedPDBDataset")}
-        for provider, store in stores.items():
-            datasets[provider] = _dataset(
-                paths, "EvoPipeWeightedPDBDataset", feature_store=store
-            )
-        count = min(12, len(datasets["of3"])) if quick else len(datasets["of3"])
-        times: dict[str, list[float]] = {name: [] for name in datasets}
+        rows = []
         mismatches = 0
-        for index in range(count):
-            samples = {}
-            for name, dataset in datasets.items():
-                samples[name], ms = _sample(dataset, index, seed=index)
-                times[name].append(ms)
-            mismatches += not _same(samples["of3"], samples["kit-store"])
-    rows = []
-    for name, values in times.items():
-        row = {
-            "bench": "features",
-            "provider": name,
-            "dataset": "demo",
-            "token_budget": TOKEN_BUDGET,
-            "samples": count,
-            "ms": statistics.mean(values),
-            "median_ms": statistics.median(values),
-            "build_s": build_s.get(name),
-            "conformer_pool": POOL if name.endswith(f"pool{POOL}") else 0,
-            **({"equal_to_of3": mismatches == 0} if name == "kit-store" else {}),
-            **host,
-            **meta,
-        }
-        rows.append(row)
-        print(
-            f"{name:18} {row['ms']:8.1f} ms/sample (median {row['median_ms']:.1f}) "
-            f"over {count} samples"
-            + (f", store built in {row['build_s']:.1f} s" if row["build_s"] else ""),
-            flush=True,
-        )
+        for budget in TOKEN_BUDGETS:
+            datasets = {"of3": _dataset(paths, "WeightedPDBDataset", budget)}
+            for provider, store in stores.items():
+                datasets[provider] = _dataset(
+                    paths, "EvoPipeWeightedPDBDataset", budget, feature_store=store
+                )
+            total = len(datasets["of3"])
+            count = min(QUICK_SAMPLES, total) if quick else total
+            times: dict[str, list[float]] = {name: [] for name in datasets}
+            differ = 0
+            for index in range(count):
+                samples = {}
+                for name, dataset in datasets.items():
+                    samples[name], ms = _sample(dataset, index, seed=index)
+                    times[name].append(ms)
+                differ += not _same(samples["of3"], samples["kit-store"])
+            mismatches += differ
+            for name, values in times.items():
+                row = {
+                    "bench": "features",
+                    "provider": name,
+                    "dataset": "demo",
+                    "token_budget": budget,
+                    "samples": count,
+                    "ms": statistics.mean(values),
+                    "median_ms": statistics.median(values),
+                    "build_s": build_s.get(name),
+                    "conformer_pool": POOL if name.endswith(f"pool{POOL}") else 0,
+                    **({"equal_to_of3": differ == 0} if name == "kit-store" else {}),
+                    **host,
+                    **meta,
+                }
+                rows.append(row)
+                print(
+                    f"{budget:4} tokens {name:18} {row['ms']:8.1f} ms/sample "
+                    f"(median {row['median_ms']:.1f}) over {count} samples",
+                    flush=True,
+                )
     append_rows(out_json, rows)
     if mismatches:
         raise AssertionError(
