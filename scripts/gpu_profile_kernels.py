@@ -66,27 +66,17 @@ def _transition_case(n: int):
     return step
 
 
-def _smooth_lddt_case(n_atom: int, backend: str):
-    from of3_megafold.kernels.smooth_lddt import (
-        smooth_lddt_ball_query,
-        smooth_lddt_fused,
-    )
+def _smooth_lddt_case(n_atom: int, provider: str):
+    """``provider`` as in ``bench smooth-lddt`` (its inputs: a sphere at protein
+    density, 2 samples)."""
+    from of3_megafold.bench.smooth_lddt import _loss_fn, make_inputs
 
-    dev = "cuda"
-    radius = (n_atom / (0.07 * 4.18879)) ** (1 / 3)
-    direction = torch.randn(1, n_atom, 3, device=dev)
-    direction = direction / direction.norm(dim=-1, keepdim=True)
-    truth = direction * radius * torch.rand(1, n_atom, 1, device=dev) ** (1 / 3)
-    x = (truth[:, None] + torch.randn(1, 2, n_atom, 3, device=dev)).requires_grad_()
-    nuc = torch.zeros(1, n_atom, device=dev)
-    mask = torch.ones(1, n_atom, device=dev)
+    inputs = make_inputs(n_atom, torch.float32, torch.device("cuda"))
+    x = inputs["x"].clone().requires_grad_()
+    loss_fn = _loss_fn(provider, inputs)
 
     def step():
-        if backend == "fused":
-            loss = smooth_lddt_fused(x, truth, nuc, mask)
-        else:
-            loss = smooth_lddt_ball_query(x, truth, nuc, mask, 256, seed=1)
-        loss.sum().backward()
+        loss_fn(x).sum().backward()
 
     return step
 
@@ -127,8 +117,11 @@ def main() -> int:
         ("attention triangle N=1024", lambda: _attention_case(1024, 1024, 4, 32)),
         ("attention diffusion S=48 N=768", lambda: _attention_case(48, 768, 16, 48)),
         ("pair transition N=768", lambda: _transition_case(768)),
-        ("smooth lDDT ball_query 7680", lambda: _smooth_lddt_case(7680, "ball_query")),
-        ("smooth lDDT fused 7680", lambda: _smooth_lddt_case(7680, "fused")),
+        (
+            "smooth lDDT ball_query 7680",
+            lambda: _smooth_lddt_case(7680, "kit-ball-query-256"),
+        ),
+        ("smooth lDDT fused 7680", lambda: _smooth_lddt_case(7680, "kit-fused")),
     ]
     for name, make in cases:
         try:

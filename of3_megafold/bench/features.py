@@ -36,31 +36,6 @@ TOKEN_BUDGETS = (48, 384)
 QUICK_SAMPLES = 6
 
 
-def _dataset(paths: dict, dataset_class: str, token_budget: int, **extra):
-    from openfold3.core.data.framework.single_datasets.abstract_single import (
-        DATASET_REGISTRY,
-    )
-    from openfold3.projects.of3_all_atom.config.dataset_configs import (
-        TrainingDatasetSpec,
-    )
-
-    config = {
-        "crop": {"token_crop": {"token_budget": token_budget}},
-        "dataset_paths": paths,
-        **extra,
-    }
-    spec = TrainingDatasetSpec.model_validate(
-        {
-            "name": "demo",
-            "dataset_class": dataset_class,
-            "mode": "train",
-            "weight": 1.0,
-            "config": config,
-        }
-    )
-    return DATASET_REGISTRY[dataset_class](spec.config)
-
-
 def _sample(dataset, index: int, seed: int) -> tuple[dict, float]:
     random.seed(seed)
     np.random.seed(seed)
@@ -92,9 +67,6 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
 
     ``quick``: the first 6 datapoints (else all of them).
     """
-    from of3_megafold.data.dataset import register
-
-    register()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one data-loader worker's share of the host
     try:
@@ -104,6 +76,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
 
 
 def _run(out_json: Path, quick: bool) -> list[dict[str, Any]]:
+    from of3_megafold.data.dataset import training_dataset
     from of3_megafold.data.feature_store import build_feature_store
     from of3_megafold.demo.build import demo_dataset_paths, ensure_demo_dataset
 
@@ -126,9 +99,9 @@ def _run(out_json: Path, quick: bool) -> list[dict[str, Any]]:
         rows = []
         mismatches = 0
         for budget in TOKEN_BUDGETS:
-            datasets = {"of3": _dataset(paths, "WeightedPDBDataset", budget)}
+            datasets = {"of3": training_dataset(paths, "WeightedPDBDataset", budget)}
             for provider, store in stores.items():
-                datasets[provider] = _dataset(
+                datasets[provider] = training_dataset(
                     paths, "EvoPipeWeightedPDBDataset", budget, feature_store=store
                 )
             total = len(datasets["of3"])

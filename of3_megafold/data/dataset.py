@@ -105,20 +105,20 @@ def pooled_conformer(pool: Any, mol: Any):
         ConformerGenerationError,
         ConformerResult,
     )
-    from openfold3.core.data.primitives.structure.labels import uniquify_ids
     from rdkit import Chem
     from rdkit.Geometry import Point3D
+
+    from of3_megafold.data.feature_store import atom_names
 
     index = random.randrange(len(pool.strategies))
     strategy = pool.strategies[index]
     if strategy is None:  # this generation failed at build time: OF3's fallback
         raise ConformerGenerationError("pooled conformer generation had failed")
     where = {name: i for i, name in enumerate(pool.names)}
-    names = uniquify_ids([a.GetProp("annot_atom_name") for a in mol.GetAtoms()])
     out = Chem.Mol(mol)
     out.RemoveAllConformers()
     conformer = Chem.Conformer(out.GetNumAtoms())
-    for atom_index, name in enumerate(names):
+    for atom_index, name in enumerate(atom_names(mol)):
         x, y, z = (float(v) for v in pool.coords[index, where[name]])
         conformer.SetAtomPosition(atom_index, Point3D(x, y, z))
     conf_id = out.AddConformer(conformer, assignId=True)
@@ -209,6 +209,38 @@ def register() -> None:
     globals()[DATASET_CLASS] = register_dataset(EvoPipeWeightedPDBDataset)
     globals()["EvoPipeWeightedPDBConfig"] = EvoPipeWeightedPDBConfig
     EvoPipeWeightedPDBConfig.__module__ = __name__
+
+
+def training_dataset(
+    dataset_paths: dict, dataset_class: str, token_budget: int, **config: Any
+):
+    """One OF3 training dataset built the way OF3's data module builds it from a
+    runner YAML's ``dataset_configs.train.<name>`` (name ``demo``, weight 1.0):
+    ``dataset_paths`` as in ``dataset_paths.<name>``, a token crop of
+    ``token_budget``, ``config`` the other fields of its ``config`` section (e.g.
+    ``feature_store``). Used by the tests and ``bench features``."""
+    from openfold3.core.data.framework.single_datasets.abstract_single import (
+        DATASET_REGISTRY,
+    )
+    from openfold3.projects.of3_all_atom.config.dataset_configs import (
+        TrainingDatasetSpec,
+    )
+
+    register()
+    spec = TrainingDatasetSpec.model_validate(
+        {
+            "name": "demo",
+            "dataset_class": dataset_class,
+            "mode": "train",
+            "weight": 1.0,
+            "config": {
+                "crop": {"token_crop": {"token_budget": token_budget}},
+                "dataset_paths": dataset_paths,
+                **config,
+            },
+        }
+    )
+    return DATASET_REGISTRY[dataset_class](spec.config)
 
 
 def __getattr__(name: str):

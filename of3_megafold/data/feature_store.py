@@ -105,14 +105,20 @@ def tokenized_structure(
     return atom_array
 
 
+def atom_names(mol: Any) -> list[str]:
+    """A reference molecule's atom names in its atom order, uniquified as OF3 does
+    (``get_processed_reference_conformer``): how atoms are matched across orders."""
+    from openfold3.core.data.primitives.structure.labels import uniquify_ids
+
+    return uniquify_ids([atom.GetProp("annot_atom_name") for atom in mol.GetAtoms()])
+
+
 def conformer_key(mol: Any) -> tuple[str, tuple[str, ...]]:
     """How the pool finds a molecule again: its canonical SMILES and its sorted
-    (uniquified) atom names, which survive OF3's atom renumbering."""
-    from openfold3.core.data.primitives.structure.labels import uniquify_ids
+    atom names, which survive OF3's atom renumbering."""
     from rdkit import Chem
 
-    names = uniquify_ids([atom.GetProp("annot_atom_name") for atom in mol.GetAtoms()])
-    return Chem.MolToSmiles(mol), tuple(sorted(names))
+    return Chem.MolToSmiles(mol), tuple(sorted(atom_names(mol)))
 
 
 # OF3's per-strategy timeouts in get_processed_reference_conformer (0.5.0).
@@ -147,9 +153,8 @@ def _conformer_pool(mol: Any, start_from: str, size: int) -> ConformerPool:
         ConformerGenerationError,
         multistrategy_compute_conformer,
     )
-    from openfold3.core.data.primitives.structure.labels import uniquify_ids
 
-    names = tuple(uniquify_ids([a.GetProp("annot_atom_name") for a in mol.GetAtoms()]))
+    names = tuple(atom_names(mol))
     coords = np.full((size, len(names), 3), np.nan)
     strategies: list[str | None] = []
     state = random.getstate()
@@ -165,9 +170,8 @@ def _conformer_pool(mol: Any, start_from: str, size: int) -> ConformerPool:
                 strategies.append(None)  # OF3 keeps the fallback conformer there
                 continue
             out = result.mol
-            got = uniquify_ids([a.GetProp("annot_atom_name") for a in out.GetAtoms()])
             positions = out.GetConformer(result.conf_id).GetPositions()
-            where = {name: i for i, name in enumerate(got)}
+            where = {name: i for i, name in enumerate(atom_names(out))}
             coords[index] = positions[[where[name] for name in names]]
             strategies.append(result.strategy)
     finally:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from of3_megafold.data.dataset import training_dataset
 from of3_megafold.data.feature_store import (
     FeatureStore,
     FeatureStoreError,
@@ -44,32 +45,8 @@ def pooled_store(paths, tmp_path_factory):
     return _build(paths, tmp_path_factory.mktemp("evopipe") / "store", conformers=3)
 
 
-def _dataset(paths, dataset_class, **extra):
-    from openfold3.core.data.framework.single_datasets.abstract_single import (
-        DATASET_REGISTRY,
-    )
-    from openfold3.projects.of3_all_atom.config.dataset_configs import (
-        TrainingDatasetSpec,
-    )
-
-    from of3_megafold.data.dataset import register
-
-    register()
-    config = {
-        "crop": {"token_crop": {"token_budget": 48}},
-        "dataset_paths": paths,
-        **extra,
-    }
-    spec = TrainingDatasetSpec.model_validate(
-        {
-            "name": "demo",
-            "dataset_class": dataset_class,
-            "mode": "train",
-            "weight": 1.0,
-            "config": config,
-        }
-    )
-    return DATASET_REGISTRY[dataset_class](spec.config)
+def _dataset(paths, dataset_class, **config):
+    return training_dataset(paths, dataset_class, 48, **config)
 
 
 def _sample(dataset, index: int, seed: int) -> dict:
