@@ -99,7 +99,7 @@ def evoflash_forward(
             as they are).
         q_x, kv_x: ``[*, N, C]`` query and key/value inputs (same ``N``).
         biases: OF3's bias list, each broadcastable to ``[*, H, N, N]``.
-        high_precision: OF3's ``use_high_precision`` (fp32 ieee core).
+        high_precision: OF3's ``use_high_precision`` (fp32 core).
 
     Returns:
         ``[*, N, C_q]``, as OF3's ``Attention.forward``.

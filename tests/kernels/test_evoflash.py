@@ -280,6 +280,7 @@ GPU_CASES = [
     Case(1, 48, 384, 16, 48, torch.bfloat16),
     Case(1, 1, 384, 16, 24, torch.bfloat16),
     Case(1, 1, 384, 16, 24, torch.float32, high_precision=True),
+    Case(1, 48, 384, 16, 48, torch.bfloat16, high_precision=True),  # OF3's training
 ]
 
 

@@ -64,12 +64,15 @@ def _launch(kernel, name: str, grid, **kwargs) -> None:
 
 def _precision(high_precision: bool) -> int:
     """The kernels' PRECISION: 0 dots in the input dtype; 1 fp32 tiles, tf32 dots;
-    2 fp32 tiles, ieee dots. High precision follows torch's float32 matmul
-    precision, as OF3's fp32 einsum does: ieee at "highest" (torch's default),
-    tf32 at "high"/"medium" (what ``run_openfold`` sets)."""
+    3 fp32 tiles, 3xTF32 dots. High precision follows torch's float32 matmul
+    precision, as OF3's fp32 einsum does: fp32 accuracy at "highest" (torch's
+    default, and OF3's in training unless ``--use_tf32``), tf32 at "high"/"medium"
+    (what ``run_openfold predict`` sets). fp32 accuracy comes from 3xTF32 tensor-core
+    dots rather than ieee CUDA-core dots (PRECISION 2, what the interpreter runs):
+    the GPU checks hold both to the same fp32 tolerance, and 3xTF32 is the faster."""
     if not high_precision:
         return 0
-    return 2 if torch.get_float32_matmul_precision() == "highest" else 1
+    return 3 if torch.get_float32_matmul_precision() == "highest" else 1
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -405,9 +408,10 @@ def evoflash_attention(
             ``[B, 1, H, N, N]``; its gradient is reduced over what it broadcasts.
         scale: logit scale, default ``D ** -0.5``.
         high_precision: OF3's ``use_high_precision``: every tile upcast to fp32,
-            dots at torch's float32 matmul precision like OF3's fp32 einsum: ieee
-            fp32 at ``"highest"`` (torch's default; CUDA-core dots, several times
-            slower), tf32 at ``"high"`` (what ``run_openfold`` sets). Otherwise dots
+            dots at torch's float32 matmul precision like OF3's fp32 einsum: fp32
+            accuracy at ``"highest"`` (torch's default, OF3's in training; 3xTF32
+            tensor-core dots), tf32 at ``"high"`` (``run_openfold predict``, or
+            training with ``--use_tf32``). Otherwise dots
             run in the input dtype (tf32 for fp32 inputs). Softmax statistics and
             accumulation are fp32 either way.
         deterministic: the default computes every gradient with a fixed summation
