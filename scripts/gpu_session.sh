@@ -32,7 +32,8 @@ for spec in "$@"; do
     case "$step" in
         tests) run tests "${limit:-420}" python3 -m pytest tests/kernels tests/extensions -q -x \
             -p no:cacheprovider --durations=15 ;;
-        evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py ;;
+        # shellcheck disable=SC2086  # $extra: options for gpu_check_evoflash.py
+        evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py $extra ;;
         transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
         # shellcheck disable=SC2086
