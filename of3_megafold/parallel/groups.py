@@ -1,0 +1,154 @@
+"""Process groups for sequence parallelism (SP) on top of data parallelism (DP).
+
+The world of ``W`` ranks is laid out as ``DP x SP`` with ``W = dp_size * sp_size``:
+
+- an SP group is ``sp_size`` consecutive ranks (ranks ``r`` with the same
+  ``r // sp_size``); its members work on the same sample, each holding a shard of
+  the pair representation. Consecutive ranks share a node first, so the SP
+  collectives (one ``all_to_all`` per axis swap) stay on NVLink where they can;
+- a DP group is the ranks with the same ``r % sp_size`` (one per SP group); the data
+  sampler gives each SP group its own sample, so ``dp_rank = r // sp_size`` and
+  ``dp_size = W // sp_size``.
+
+Gradients are still averaged over the whole world (as DDP and DeepSpeed do); see
+:mod:`of3_megafold.parallel.comm` for why that gives the right gradients.
+
+``sp_size == 1`` (or no initialised ``torch.distributed``) is stock behaviour: every
+SP query answers "one rank", :func:`sp_group` is ``None`` and the collectives are
+identities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from of3_megafold.errors import KitConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in the ``DP x SP`` grid.
+
+    Attributes:
+        sp_size: ranks per SP group.
+        sp_group: this rank's SP group (``None`` when ``sp_size == 1``).
+        sp_ranks: global ranks of this rank's SP group, in SP-rank order.
+        dp_group: this rank's DP group (``None`` without torch.distributed).
+    """
+
+    sp_size: int = 1
+    sp_group: dist.ProcessGroup | None = None
+    sp_ranks: tuple[int, ...] = (0,)
+    dp_group: dist.ProcessGroup | None = None
+
+
+_LAYOUT = ParallelLayout()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def check_world_size(sp_size: int, world_size: int) -> None:
+    """Raise KitConfigError unless ``world_size`` is a positive multiple of
+    ``sp_size``."""
+    if sp_size < 1:
+        raise KitConfigError(f"sequence parallel size must be >= 1, got {sp_size}")
+    if world_size % sp_size:
+        raise KitConfigError(
+            f"sequence parallel size {sp_size} does not divide the world size "
+            f"{world_size} (nodes x devices); choose a size that divides it, or "
+            f"launch a multiple of {sp_size} ranks"
+        )
+
+
+def init_sequence_parallel(sp_size: int) -> ParallelLayout:
+    """Create the SP and DP groups (collective: every rank calls it, same size).
+
+    Args:
+        sp_size: ranks per SP group; 1 leaves everything stock.
+
+    Returns:
+        This rank's layout (also kept for :func:`sp_group` and friends).
+
+    Raises:
+        KitConfigError: ``sp_size > 1`` without an initialised torch.distributed,
+            or a world size that is not a multiple of ``sp_size``.
+    """
+    global _LAYOUT
+    if not _distributed():
+        if sp_size != 1:
+            raise KitConfigError(
+                f"sequence parallel size {sp_size} needs torch.distributed; launch "
+                "with several devices (pl_trainer_args.devices / num_nodes) or set "
+                "the size to 1"
+            )
+        _LAYOUT = ParallelLayout()
+        return _LAYOUT
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_world_size(sp_size, world)
+    if sp_size == 1:
+        _LAYOUT = ParallelLayout(sp_ranks=(rank,), dp_group=dist.group.WORLD)
+        return _LAYOUT
+    mine: dict[str, object] = {}
+    # new_group is collective over the world: every rank creates every group, in
+    # the same order, and keeps its own.
+    for first in range(0, world, sp_size):
+        ranks = list(range(first, first + sp_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["sp"], mine["sp_ranks"] = group, tuple(ranks)
+    for offset in range(sp_size):
+        ranks = list(range(offset, world, sp_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["dp"] = group
+    _LAYOUT = ParallelLayout(sp_size, mine["sp"], mine["sp_ranks"], mine["dp"])
+    return _LAYOUT
+
+
+def reset_sequence_parallel() -> None:
+    """Forget the groups (back to stock); the groups themselves are not destroyed."""
+    global _LAYOUT
+    _LAYOUT = ParallelLayout()
+
+
+def layout() -> ParallelLayout:
+    return _LAYOUT
+
+
+def sp_group() -> dist.ProcessGroup | None:
+    """This rank's SP group, ``None`` when sequence parallelism is off."""
+    return _LAYOUT.sp_group
+
+
+def sp_size() -> int:
+    return _LAYOUT.sp_size
+
+
+def sp_rank() -> int:
+    """This rank's index inside its SP group (0 when SP is off)."""
+    if _LAYOUT.sp_group is None:
+        return 0
+    return dist.get_rank(_LAYOUT.sp_group)
+
+
+def sp_src_rank() -> int:
+    """Global rank of the first member of this rank's SP group (the broadcaster)."""
+    return _LAYOUT.sp_ranks[0] if _distributed() else 0
+
+
+def dp_size() -> int:
+    """Number of SP groups = data-parallel replicas (world size when SP is off)."""
+    if not _distributed():
+        return 1
+    return dist.get_world_size() // _LAYOUT.sp_size
+
+
+def dp_rank() -> int:
+    """Index of this rank's SP group among the data-parallel replicas."""
+    if not _distributed():
+        return 0
+    return dist.get_rank() // _LAYOUT.sp_size
