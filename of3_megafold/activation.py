@@ -183,9 +183,18 @@ def activate(force: Iterable[str] | str = ()) -> None:
         logger.debug("of3-megafold active: %s", ", ".join(registry.EXTENSIONS))
         # EvoPipe's dataset class, selectable by name in a runner YAML (OF3's
         # dataset registries only grow; nothing uses it unless a YAML names it).
+        # Model-only installs (a benchmark machine without OF3's data-pipeline
+        # dependencies) still activate the model extensions.
         from of3_megafold.data.dataset import register as register_datasets
 
-        register_datasets()
+        try:
+            register_datasets()
+        except ModuleNotFoundError as err:
+            logger.info(
+                "EvoPipe dataset not registered: OF3's data pipeline does not "
+                "import here (%s)",
+                err,
+            )
 
     registry.FORCED.variants = chosen
 

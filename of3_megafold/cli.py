@@ -21,6 +21,8 @@ from of3_megafold.errors import KitError
 
 BENCHMARKS = {
     "attention": ("attention_core", "attention_module"),
+    "attention-core": ("attention_core",),
+    "attention-module": ("attention_module",),
     "smooth-lddt": ("smooth_lddt",),
     "transition": ("transition",),
     "features": ("features",),
