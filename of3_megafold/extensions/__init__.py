@@ -7,7 +7,13 @@ Extension modules import OpenFold3 and the kernels lazily, inside their patches.
 from of3_megafold.extensions import (
     evoflash_attention,
     evofusion_transitions,
+    sequence_parallel,
     smooth_lddt,
 )
 
-__all__ = ["evoflash_attention", "evofusion_transitions", "smooth_lddt"]
+__all__ = [
+    "evoflash_attention",
+    "evofusion_transitions",
+    "sequence_parallel",
+    "smooth_lddt",
+]

@@ -5,9 +5,10 @@ pair masks with zeros), fp32:
 
 - eval mode: outputs, input gradients and world-averaged parameter gradients
   equal OF3's single-process ``PairFormerBlock``;
-- train mode with dropout: outputs and gradients equal the same sharded code on one
-  process with the same seed (so every rank drew the same masks and sliced them
-  right), and differ from eval mode (the dropout ran).
+- train mode with dropout, rank-specific default generators: outputs and gradients
+  equal the same sharded code on one process seeded as rank 0 (so every rank drew
+  rank 0's masks and sliced them right), and differ from eval mode (the dropout
+  ran).
 """
 
 import copy
@@ -131,10 +132,12 @@ def _block_body(rank, world_size, seed):
     assert_close(in_grads, in_ref, GRAD_TOL, "input gradients")
     assert_close(world_average(par), par_ref, GRAD_TOL, "parameter gradients")
 
-    # Train mode, dropout on, two blocks: same masks as one process with the seed.
+    # Train mode, dropout on, two blocks, each rank's default generator in its own
+    # state: the group uses rank 0's seed, so the masks are those one process
+    # draws from rank 0's state.
     blocks = [make_block(seed + i, pair_dropout=0.25).train() for i in range(2)]
     single = copy.deepcopy(blocks)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + rank)
     out, in_grads, par = run(sharded_forward(blocks, group), blocks, inputs, grads)
     torch.manual_seed(seed)
     out_ref, in_ref, par_ref = run(sharded_forward(single, None), single, inputs, grads)

@@ -1,0 +1,160 @@
+"""The ``sequence_parallel`` extension: OF3's PairFormerStack through the patch.
+
+gloo, 2 and 3 ranks: the patched stack (activation checkpointing on) equals stock
+OF3's stack in training mode without dropout (outputs, input gradients,
+world-averaged parameter gradients); with dropout, checkpointed and
+non-checkpointed runs agree (the recomputation redraws the same masks). Single
+process: the stock path when the size is 1, config validation, the data module's
+data-parallel view.
+"""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from of3_megafold import activate, registry
+from of3_megafold.errors import KitConfigError
+from of3_megafold.extensions import sequence_parallel as sp_ext
+from of3_megafold.parallel import groups
+from tests.parallel.launch import run_on_ranks
+from tests.parallel.test_pairformer import (
+    GRAD_TOL,
+    OUT_TOL,
+    assert_close,
+    make_inputs,
+    run,
+    world_average,
+)
+
+
+def make_stack(seed: int, pair_dropout: float, blocks_per_ckpt: int | None):
+    from openfold3.core.model.latent.pairformer import PairFormerStack
+
+    stack = PairFormerStack(
+        c_s=8,
+        c_z=8,
+        c_hidden_pair_bias=4,
+        no_heads_pair_bias=2,
+        c_hidden_mul=6,
+        c_hidden_pair_att=4,
+        no_heads_pair=2,
+        no_blocks=2,
+        transition_type="swiglu",
+        transition_n=2,
+        pair_dropout=pair_dropout,
+        fuse_projection_weights=False,
+        blocks_per_ckpt=blocks_per_ckpt,
+        inf=1e9,
+        use_reentrant=False,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return stack.train()
+
+
+def plan(module, size):
+    for m in module.modules():
+        object.__setattr__(m, sp_ext.PLAN_ATTR, sp_ext._Plan(size=size))
+    return module
+
+
+def stack_forward(stack):
+    def forward(s, z, single_mask, pair_mask):
+        return stack(s, z, single_mask=single_mask, pair_mask=pair_mask)
+
+    return forward
+
+
+def _stack_body(rank, world_size, seed):
+    activate()
+    inputs, grads = make_inputs(seed)
+
+    stock = make_stack(seed, pair_dropout=0.0, blocks_per_ckpt=1)
+    sharded = plan(copy.deepcopy(stock), world_size)
+    out_ref, in_ref, par_ref = run(stack_forward(stock), [stock], inputs, grads)
+    out, in_grads, par = run(stack_forward(sharded), [sharded], inputs, grads)
+    assert groups.sp_size() == world_size
+    assert_close(out, out_ref, OUT_TOL, "stack outputs")
+    assert_close(in_grads, in_ref, GRAD_TOL, "stack input gradients")
+    assert_close(world_average(par), par_ref, GRAD_TOL, "stack parameter gradients")
+
+    plain = plan(make_stack(seed, pair_dropout=0.25, blocks_per_ckpt=None), world_size)
+    checkpointed = plan(copy.deepcopy(plain), world_size)
+    checkpointed.blocks_per_ckpt = 1
+    torch.manual_seed(seed + rank)
+    out_ref, in_ref, par_ref = run(stack_forward(plain), [plain], inputs, grads)
+    torch.manual_seed(seed + rank)
+    out, in_grads, par = run(stack_forward(checkpointed), [checkpointed], inputs, grads)
+    assert_close(out, out_ref, OUT_TOL, "checkpointed dropout outputs")
+    assert_close(in_grads, in_ref, GRAD_TOL, "checkpointed dropout input gradients")
+    assert_close(par, par_ref, GRAD_TOL, "checkpointed dropout parameter gradients")
+    groups.reset_sequence_parallel()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_patched_stack_matches_stock(tmp_path, world_size):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_on_ranks(_stack_body, world_size, tmp_path, seed)
+
+
+@pytest.fixture
+def kit():
+    activate()
+    yield
+    activate()
+
+
+def test_size_one_is_stock(kit):
+    stack = plan(make_stack(3, pair_dropout=0.0, blocks_per_ckpt=None), 1)
+    inputs, _ = make_inputs(3)
+    original = stack.forward.__func__.__wrapped__
+    torch.testing.assert_close(stack(*inputs), original(stack, *inputs), rtol=0, atol=0)
+
+
+def _model_config(**settings):
+    from openfold3.projects.of3_all_atom.config.model_config import model_config
+
+    config = copy.deepcopy(model_config)
+    for key, value in settings.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config
+
+
+def test_config_checks(kit):
+    extension = registry.get("sequence_parallel")
+    extension.check_config(_model_config())
+    assert not extension.requested(_model_config())
+    with pytest.raises(KitConfigError, match="per_sample_clipping"):
+        extension.check_config(_model_config(**{"settings.sequence_parallel_size": 2}))
+    ok = {
+        "settings.sequence_parallel_size": 2,
+        "settings.gradient_clipping.per_sample_clipping": False,
+    }
+    extension.check_config(_model_config(**ok))
+    with pytest.raises(KitConfigError, match="do not split evenly over 5 ranks"):
+        extension.check_config(
+            _model_config(**{**ok, "settings.sequence_parallel_size": 5})
+        )
+
+
+def test_data_module_sees_data_parallel_rank(kit, monkeypatch):
+    from openfold3.core.data.framework.data_module import DataModule
+
+    module = DataModule.__new__(DataModule)
+    module.trainer = SimpleNamespace(global_rank=3, world_size=6)
+    assert (module.global_rank, module.world_size) == (3, 6)
+    object.__setattr__(module, sp_ext.DP_VIEW_ATTR, 2)
+    assert (module.global_rank, module.world_size) == (1, 3)
+    object.__delattr__(module, sp_ext.DP_VIEW_ATTR)
+
+    monkeypatch.setattr(sp_ext._STATE, "configured_size", 4)
+    with pytest.raises(KitConfigError, match="does not divide the world size 6"):
+        module.train_dataloader()
