@@ -33,7 +33,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-KNOWN_BENCHMARKS = ("step", "attention_core", "smooth_lddt", "transition")
+KNOWN_BENCHMARKS = (
+    "step",
+    "attention_core",
+    "attention_module",
+    "smooth_lddt",
+    "transition",
+)
 SIZE_FIELDS = ("n_token", "n_atom", "n", "N", "seq_len", "n_res", "size")
 SERIES_FIELDS = frozenset({"provider", "dtype", "precision"})
 SERIES_ORDER = ("provider", "dtype", "precision")
