@@ -193,3 +193,44 @@ def test_module_flag_reads_the_model_mode():
     assert registry.module_flag(module, "flag") is True
     module.eval()
     assert registry.module_flag(module, "flag") is False
+
+
+def _extension_patching(target: str) -> registry.Extension:
+    return registry.Extension(
+        name="selftest_patch_target",
+        summary="test-only",
+        keys=(),
+        requested=lambda c: False,
+        enable_update={},
+        patches=(registry.Patch(target, lambda original: original),),
+    )
+
+
+def test_patch_of_a_module_with_missing_dependencies_is_skipped():
+    """A module that needs a package missing here can be called by nothing, so
+    activation skips its patch (a model-only install lacks OF3's data packages)."""
+    deactivate()
+    registry.register(
+        _extension_patching("tests.extensions.selftest_missing_dep:compute")
+    )
+    try:
+        activate()
+        from of3_megafold.activation import is_active
+
+        assert is_active()
+    finally:
+        deactivate()
+        registry.unregister("selftest_patch_target")
+
+
+def test_patch_of_a_missing_openfold3_module_fails():
+    """A target inside openfold3 that does not exist is a kit bug, not a missing
+    optional package: activation fails and leaves OF3 stock."""
+    deactivate()
+    registry.register(_extension_patching("openfold3.no_such_module:compute"))
+    try:
+        with pytest.raises(ModuleNotFoundError):
+            activate()
+    finally:
+        deactivate()
+        registry.unregister("selftest_patch_target")
