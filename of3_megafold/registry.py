@@ -108,6 +108,8 @@ class Extension:
             mutual exclusion with OF3's own kernel flags); raises KitConfigError.
         variants: values accepted after ``name:`` in ``force`` (first = default).
         docs: the extension's page under ``docs/`` (shown by ``of3-megafold info``).
+        min_processes: processes that ``enable_update`` needs to run (2 for
+            sequence parallelism); single-process benchmarks leave out the others.
     """
 
     name: str
@@ -121,6 +123,7 @@ class Extension:
     validate: Callable[[Any], None] | None = None
     variants: tuple[str, ...] = ()
     docs: str = ""
+    min_processes: int = 1
 
     def installed(self) -> Check:
         return _python_packages_check(self.requires)

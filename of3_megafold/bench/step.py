@@ -178,6 +178,8 @@ def _registry_extensions() -> dict[str, tuple[dict, bool, str]]:
         activate()
     extensions = {}
     for name, extension in registry.EXTENSIONS.items():
+        if extension.min_processes > 1:  # this harness times one process
+            continue
         ok, reason = extension.available()
         extensions[name] = (_plain(extension.enable_update), ok, reason)
     return extensions

@@ -314,6 +314,7 @@ EXTENSION = registry.register(
         "the pairformer stacks; diffusion samples split across it",
         keys=(SIZE_KEY, SPLIT_KEY),
         requested=_requested,
+        min_processes=2,
         enable_update={
             "settings": {
                 "sequence_parallel_size": 2,

@@ -221,9 +221,10 @@ def test_stock_providers(no_registry):
 
 
 class _FakeExtension:
-    def __init__(self, update, ok, reason=""):
+    def __init__(self, update, ok, reason="", min_processes=1):
         self.enable_update = update
         self._available = (ok, reason)
+        self.min_processes = min_processes
 
     def available(self):
         return self._available
@@ -246,6 +247,11 @@ def fake_registry(monkeypatch):
             True,
         ),
         "broken": _FakeExtension({"settings": {}}, False, "needs a Hopper GPU"),
+        # Needs several processes: never a provider of this one-process harness.
+        "sharded": _FakeExtension(
+            {"settings": {"memory": {"train": {"use_lma": False}}}}, True,
+            min_processes=2,
+        ),
     }
     monkeypatch.setitem(sys.modules, "of3_megafold.registry", registry)
     import of3_megafold
