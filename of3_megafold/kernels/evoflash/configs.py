@@ -86,9 +86,21 @@ INTERPRETER_CONFIGS = {
 }
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (plain Python: recent Triton wraps its own
+    ``triton.cdiv`` for use inside kernels, which costs microseconds per call on
+    the host, and launchers call it several times per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1), in plain Python (see :func:`cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def n_bucket(n: int) -> int:
     """Sequence-length bucket of the autotuning key: the next power of two."""
-    return triton.next_power_of_2(max(n, 16))
+    return next_power_of_2(max(n, 16))
 
 
 def s_bucket(s: int) -> int:
@@ -118,7 +130,7 @@ def prune_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     fp32_tiles = args["PRECISION"] > 0 or args["Q"].dtype.itemsize == 4
     configs = [c for c in configs if (id(c) in FP32_CONFIGS) == fp32_tiles]
-    n_cap = max(16, triton.next_power_of_2(args["N"]))
+    n_cap = max(16, next_power_of_2(args["N"]))
     single_s = args["S"] == 1 or args.get("BIAS_PER_S", False)
     kept = []
     for cfg in configs:

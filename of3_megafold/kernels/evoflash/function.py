@@ -8,6 +8,8 @@ logits. See ``_fwd`` and ``_bwd`` for the kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -145,6 +147,19 @@ class _Inputs:
                                  pbe.stride(3))
             self.bias_per_s = S > 1 and pbe.stride(1) != 0
 
+    def tensors(self) -> tuple:
+        """``(q, k, v, mask, bias)`` as the kernels read them (mask, bias: None
+        when absent)."""
+        return self.q, self.k, self.v, self.mask, self.bias
+
+    def drop_tensors(self) -> None:
+        """Forget the tensors, keep shapes, strides and flags (for the backward)."""
+        self.q = self.k = self.v = self.mask = self.bias = None
+
+    def restore_tensors(self, q, k, v, mask, bias) -> None:
+        """Put back the tensors :meth:`tensors` returned (after autograd saved them)."""
+        self.q, self.k, self.v, self.mask, self.bias = q, k, v, mask, bias
+
     def common_args(self, high_precision: bool) -> dict:
         return dict(
             stride_mb=self.mask_strides[0], stride_ms=self.mask_strides[1],
@@ -153,7 +168,7 @@ class _Inputs:
             N_BUCKET=configs.n_bucket(self.N), S_BUCKET=configs.s_bucket(self.S),
             HAS_MASK=self.mask is not None,
             PRECISION=_precision(high_precision),
-            BLOCK_D=max(16, triton.next_power_of_2(self.D)),
+            BLOCK_D=max(16, configs.next_power_of_2(self.D)),
         )
 
     def bias_args(self) -> dict:
@@ -172,7 +187,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
     r = torch.empty_like(lse)
 
     def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_M"]) * triton.cdiv(S, meta["S_GROUP"])
+        return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(S, meta["S_GROUP"])
                 * H * B,)
 
     (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
@@ -193,15 +208,18 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
     return o, lse, r
 
 
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
     """S chunks for the dbias kernel: enough programs for two waves of 128 x 128
     tiles, at least 16 S slices per chunk (summed afterwards, in a fixed order)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 2  # the interpreter: still exercise the split path at small sizes
-    tiles = inp.B * inp.H * triton.cdiv(inp.N, 128) ** 2
-    wanted = triton.cdiv(2 * sms, tiles)
+    # the interpreter: 2 "SMs", to exercise the split path at small sizes
+    sms = _multiprocessors(device.index) if device.type == "cuda" else 2
+    tiles = inp.B * inp.H * configs.cdiv(inp.N, 128) ** 2
+    wanted = configs.cdiv(2 * sms, tiles)
     return max(1, min(wanted, inp.S // 16 if device.type == "cuda" else inp.S))
 
 
@@ -227,9 +245,9 @@ def evoflash_bwd(
     delta = torch.empty_like(lse)
     sob, sos, son, soh = _strides(o)
     sdb, sds, sdn, sdh = _strides(do)
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, configs.next_power_of_2(D))
     pre_block = 64 if block_d <= 64 else 32
-    _evoflash_bwd_preprocess_kernel[(triton.cdiv(N, pre_block), B * S * H)](
+    _evoflash_bwd_preprocess_kernel[(configs.cdiv(N, pre_block), B * S * H)](
         o, do, r, delta,
         sob, sos, son, soh, sdb, sds, sdn, sdh,
         S, N, H, D, BLOCK_M=pre_block, BLOCK_D=block_d,
@@ -271,7 +289,7 @@ def evoflash_bwd(
                              stride_bh=bte.stride(2), stride_bi=bte.stride(3))
 
         def grid_dkdv(meta):
-            return (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(S, meta["S_GROUP"])
+            return (configs.cdiv(N, meta["BLOCK_N"]) * configs.cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
         _launch(_dkdv, "dkdv", grid_dkdv, DK=dk, DV=dv, BIAS_T=bias_t,
@@ -282,15 +300,15 @@ def evoflash_bwd(
     fuse_dq = need_dq and reduce_over_s and not deterministic
     if reduce_over_s:
         splits = _dbias_splits(inp, q.device)
-        s_chunk = triton.cdiv(S, splits)
-        splits = triton.cdiv(S, s_chunk)
+        s_chunk = configs.cdiv(S, splits)
+        splits = configs.cdiv(S, s_chunk)
         part = torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device)
         dq_acc = (torch.zeros((B, S, N, H, D), dtype=torch.float32, device=q.device)
                   if fuse_dq else unused)
         sb, _, sh, si = inp.bias_strides
 
         def grid_dbias(meta):
-            return (triton.cdiv(N, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+            return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(N, meta["BLOCK_N"])
                     * H * B * splits,)
 
         _launch(
@@ -318,7 +336,7 @@ def evoflash_bwd(
             db_strides = (0, 0, 0, 0)
 
         def grid_dq(meta):
-            return (triton.cdiv(N, meta["BLOCK_M"]) * triton.cdiv(S, meta["S_GROUP"])
+            return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
         _launch(
@@ -354,8 +372,11 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             return torch.empty((inp.B, inp.S, inp.N, inp.H, inp.D), dtype=q.dtype,
                                device=q.device)
         o, lse, r = evoflash_fwd(inp, scale, high_precision)
-        ctx.save_for_backward(inp.q, inp.k, inp.v, inp.mask, inp.bias, o, lse, r)
-        ctx.bias_shape = inp.bias_shape
+        ctx.save_for_backward(*inp.tensors(), o, lse, r)
+        # The checked views, strides and flags are reused by the backward; the
+        # tensors travel through save_for_backward (in-place modification checks).
+        inp.drop_tensors()
+        ctx.inp = inp
         ctx.scale = scale
         ctx.high_precision = high_precision
         ctx.deterministic = deterministic
@@ -369,12 +390,10 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
                          if ctx.needs_input_grad[4] else None)
             return (*grads, None, bias_grad, None, None, None)
-        q, k, v, mask, bias, o, lse, r = ctx.saved_tensors
+        *tensors, o, lse, r = ctx.saved_tensors
         need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
-        # the saved bias is the 5-d view the kernels read; its gradient takes the
-        # caller's shape
-        inp = _Inputs(q, k, v, mask, bias)
-        inp.bias_shape = ctx.bias_shape
+        inp = ctx.inp
+        inp.restore_tensors(*tensors)
         dq, dk, dv, dbias = evoflash_bwd(
             inp, do, o, lse, r, ctx.scale, ctx.high_precision, ctx.deterministic,
             need_dq, need_dk or need_dv, need_dbias,
