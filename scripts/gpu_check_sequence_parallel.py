@@ -2,7 +2,7 @@
 against the same block, same weights and inputs, on one GPU.
 
     python scripts/gpu_check_sequence_parallel.py --ranks 2 --tokens 384 768
-    python scripts/gpu_check_sequence_parallel.py --cpu --ranks 2 --tokens 9   # gloo dry run
+    python scripts/gpu_check_sequence_parallel.py --cpu --tokens 9   # gloo dry run
 
 OF3's pairformer dimensions (c_s 384, c_z 128, 16 x 24 single-attention heads, 4 x 32
 triangle heads, trimul hidden 128, SwiGLU n=4; ``--cpu`` uses small ones), fp32 at
@@ -18,7 +18,6 @@ device against sharded per rank. Diagnostic: no JSON rows.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -32,17 +31,38 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FULL = dict(c_s=384, c_z=128, c_hidden_pair_bias=24, no_heads_pair_bias=16,
-            c_hidden_mul=128, c_hidden_pair_att=32, no_heads_pair=4, transition_n=4)
-SMALL = dict(c_s=8, c_z=8, c_hidden_pair_bias=4, no_heads_pair_bias=2,
-             c_hidden_mul=6, c_hidden_pair_att=4, no_heads_pair=2, transition_n=2)
+FULL = dict(
+    c_s=384,
+    c_z=128,
+    c_hidden_pair_bias=24,
+    no_heads_pair_bias=16,
+    c_hidden_mul=128,
+    c_hidden_pair_att=32,
+    no_heads_pair=4,
+    transition_n=4,
+)
+SMALL = dict(
+    c_s=8,
+    c_z=8,
+    c_hidden_pair_bias=4,
+    no_heads_pair_bias=2,
+    c_hidden_mul=6,
+    c_hidden_pair_att=4,
+    no_heads_pair=2,
+    transition_n=2,
+)
 
 
 def make_block(dims: dict, seed: int, device):
     from openfold3.core.model.latent.pairformer import PairFormerBlock
 
-    block = PairFormerBlock(**dims, transition_type="swiglu", pair_dropout=0.25,
-                            fuse_projection_weights=False, inf=1e9)
+    block = PairFormerBlock(
+        **dims,
+        transition_type="swiglu",
+        pair_dropout=0.25,
+        fuse_projection_weights=False,
+        inf=1e9,
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # AF3 zero-initialises some projections: randomise all
         for p in block.parameters():
@@ -55,11 +75,11 @@ def make_inputs(dims: dict, n: int, seed: int, device):
     s = torch.randn(1, n, dims["c_s"], generator=gen)
     z = torch.randn(1, n, n, dims["c_z"], generator=gen)
     token_mask = torch.ones(1, n)
-    token_mask[:, n - max(1, n // 20):] = 0.0
+    token_mask[:, n - max(1, n // 20) :] = 0.0
     pair_mask = token_mask[:, :, None] * token_mask[:, None, :]
     grads = (torch.randn(s.shape, generator=gen), torch.randn(z.shape, generator=gen))
-    to = dict(device=device)
-    return [t.to(**to) for t in (s, z, token_mask, pair_mask)], [g.to(**to) for g in grads]
+    inputs = [t.to(device) for t in (s, z, token_mask, pair_mask)]
+    return inputs, [g.to(device) for g in grads]
 
 
 def step(forward, block, inputs, grads):
@@ -70,11 +90,13 @@ def step(forward, block, inputs, grads):
     s_out, z_out = forward(s, z, single_mask, pair_mask)
     ((s_out * grads[0]).sum() + (z_out * grads[1]).sum()).backward()
     return [s_out.detach(), z_out.detach(), s.grad, z.grad] + [
-        p.grad for p in block.parameters()]
+        p.grad for p in block.parameters()
+    ]
 
 
 def relative_error(actual, expected) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-2)).item()
+    scale = expected.abs().max().clamp_min(1e-2)
+    return ((actual - expected).abs().max() / scale).item()
 
 
 def timed(fn, device, repeats: int) -> tuple[float, float]:
@@ -93,62 +115,80 @@ def timed(fn, device, repeats: int) -> tuple[float, float]:
             torch.cuda.synchronize(device)
         dist.barrier()
         times.append((time.perf_counter() - start) * 1e3)
-    peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20 \
-        if device.type == "cuda" else float("nan")
+    peak = (
+        (torch.cuda.max_memory_allocated(device) - before) / 2**20
+        if device.type == "cuda"
+        else float("nan")
+    )
     return statistics.median(times), peak
 
 
-def body(rank: int, world: int, store: str, args) -> None:
+def check_size(n: int, dims: dict, group, device, repeats: int) -> None:
+    """Errors and timings of one block at ``n`` tokens (printed by rank 0)."""
     from of3_megafold.parallel.pairformer import sharded_pairformer_forward
 
+    world, rank = dist.get_world_size(), dist.get_rank()
+    block = make_block(dims, 0, device)
+    inputs, grads = make_inputs(dims, n, 1, device)
+
+    def stock(s, z, sm, pm):
+        return block(s, z, single_mask=sm, pair_mask=pm)
+
+    def sharded(s, z, sm, pm):
+        return sharded_pairformer_forward([block], s, z, sm, pm, group)
+
+    ref = step(stock, block, inputs, grads)
+    got = step(sharded, block, inputs, grads)
+    params = []
+    for g in got[4:]:
+        g = g.clone()
+        dist.all_reduce(g)
+        params.append(g / world)
+
+    def worst(actual, expected):
+        return max(relative_error(a, e) for a, e in zip(actual, expected, strict=True))
+
+    errors = {
+        "outputs": worst(got[:2], ref[:2]),
+        "input grads": worst(got[2:4], ref[2:4]),
+        "param grads (world avg)": worst(params, ref[4:]),
+    }
+    stock_ms, stock_mib = timed(
+        lambda: step(stock, block, inputs, grads), device, repeats
+    )
+    sharded_ms, sharded_mib = timed(
+        lambda: step(sharded, block, inputs, grads), device, repeats
+    )
+    peaks = [torch.zeros(1, device=device) for _ in range(world)]
+    dist.all_gather(peaks, torch.tensor([sharded_mib], device=device))
+    if rank == 0:
+        err = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+        print(f"N={n:5} P={world}: max relative error: {err}")
+        print(
+            f"N={n:5} fwd+bwd one block: one device {stock_ms:9.2f} ms, "
+            f"peak {stock_mib:9.1f} MiB | sharded over {world}: "
+            f"{sharded_ms:9.2f} ms, peak per rank "
+            f"{', '.join(f'{p.item():.1f}' for p in peaks)} MiB",
+            flush=True,
+        )
+
+
+def body(rank: int, world: int, store: str, args) -> None:
     cpu = args.cpu
     device = torch.device("cpu" if cpu else f"cuda:{rank}")
     if not cpu:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"file://{store}",
-                            rank=rank, world_size=world)
-    dims = SMALL if cpu else FULL
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+    )
     group = dist.new_group(list(range(world)))
     try:
         for n in args.tokens:
-            block = make_block(dims, 0, device)
-            inputs, grads = make_inputs(dims, n, 1, device)
-
-            def stock(s, z, sm, pm, block=block):
-                return block(s, z, single_mask=sm, pair_mask=pm)
-
-            def sharded(s, z, sm, pm, block=block):
-                return sharded_pairformer_forward([block], s, z, sm, pm, group)
-
-            ref = step(stock, block, inputs, grads)
-            got = step(sharded, block, inputs, grads)
-            params = []
-            for g in got[4:]:
-                g = g.clone()
-                dist.all_reduce(g)
-                params.append(g / world)
-            errors = {
-                "outputs": max(relative_error(a, e) for a, e in zip(got[:2], ref[:2])),
-                "input grads": max(relative_error(a, e)
-                                   for a, e in zip(got[2:4], ref[2:4])),
-                "param grads (world avg)": max(relative_error(a, e)
-                                               for a, e in zip(params, ref[4:])),
-            }
-            stock_ms, stock_mib = timed(
-                lambda: step(stock, block, inputs, grads), device, args.repeats)
-            sharded_ms, sharded_mib = timed(
-                lambda: step(sharded, block, inputs, grads), device, args.repeats)
-            peaks = [torch.tensor([sharded_mib], device=device) for _ in range(world)]
-            dist.all_gather(peaks, torch.tensor([sharded_mib], device=device))
-            if rank == 0:
-                err = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
-                print(f"N={n:5} P={world}: max relative error: {err}")
-                print(f"N={n:5} fwd+bwd one block: one device {stock_ms:9.2f} ms, "
-                      f"peak {stock_mib:9.1f} MiB | sharded over {world}: "
-                      f"{sharded_ms:9.2f} ms, peak per rank "
-                      f"{', '.join(f'{p.item():.1f}' for p in peaks)} MiB", flush=True)
-            del block, inputs, grads, ref, got, params
+            check_size(n, SMALL if cpu else FULL, group, device, args.repeats)
             if not cpu:
                 torch.cuda.empty_cache()
     finally:
