@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ladder", type=_ints, default=[768, 1024, 1280, 1536])
     parser.add_argument("--no-max-crop", action="store_true")
+    parser.add_argument(
+        "--num-recycles",
+        type=int,
+        default=None,
+        help="fixed recycle count per step (OF3 draws 0-3 in training; default: "
+        "OF3's first draw, 3 with the default sync seed)",
+    )
     parser.add_argument("--n-msa", type=int, default=1024)
     parser.add_argument("--n-templ", type=int, default=4)
     parser.add_argument(
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         max_crop_ladder=args.ladder,
         max_crop_start=MAX_CROP_START,
         launch_tokens=args.launch_tokens,
+        num_recycles=args.num_recycles,
     )
     print(format_table(rows))
     print(
