@@ -32,7 +32,8 @@ function                    forward                 backward
 
 ``group=None`` means "no sequence parallelism": every function is the identity (in
 both directions), so a single-process run is stock. A sharded axis must be divisible
-by the group size; :class:`of3_megafold.parallel.shards.TokenShards` pads at the stack entry.
+by the group size; :class:`of3_megafold.parallel.shards.TokenShards` pads at the
+stack entry.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ The world of ``W`` ranks is laid out as ``DP x SP`` with ``W = dp_size * sp_size
   ``r // sp_size``); its members work on the same sample, each holding a shard of
   the pair representation. Consecutive ranks share a node first, so the SP
   collectives (one ``all_to_all`` per axis swap) stay on NVLink where they can;
-- a DP group is the ranks with the same ``r % sp_size`` (one per SP group); the data
-  sampler gives each SP group its own sample, so ``dp_rank = r // sp_size`` and
-  ``dp_size = W // sp_size``.
+- the data-parallel replicas are the SP groups: the data sampler gives each SP group
+  its own sample (``dp_rank = r // sp_size``, ``dp_size = W // sp_size``, what the
+  ``sequence_parallel`` extension makes OF3's data module report).
 
 Gradients are still averaged over the whole world (as DDP and DeepSpeed do); see
 :mod:`of3_megafold.parallel.comm` for why that gives the right gradients.
@@ -29,19 +29,15 @@ from of3_megafold.errors import KitConfigError
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the ``DP x SP`` grid.
+    """This rank's SP group.
 
     Attributes:
         sp_size: ranks per SP group.
         sp_group: this rank's SP group (``None`` when ``sp_size == 1``).
-        sp_ranks: global ranks of this rank's SP group, in SP-rank order.
-        dp_group: this rank's DP group (``None`` without torch.distributed).
     """
 
     sp_size: int = 1
     sp_group: dist.ProcessGroup | None = None
-    sp_ranks: tuple[int, ...] = (0,)
-    dp_group: dist.ProcessGroup | None = None
 
 
 _LAYOUT = ParallelLayout()
@@ -65,13 +61,17 @@ def check_world_size(sp_size: int, world_size: int) -> None:
 
 
 def init_sequence_parallel(sp_size: int) -> ParallelLayout:
-    """Create the SP and DP groups (collective: every rank calls it, same size).
+    """Create the SP groups (collective: every rank calls it, same size).
+
+    No DP groups are made: gradients are averaged over the whole world, and the
+    data module derives the DP rank and size itself (``rank // sp_size``,
+    ``world // sp_size``).
 
     Args:
         sp_size: ranks per SP group; 1 leaves everything stock.
 
     Returns:
-        This rank's layout (also kept for :func:`sp_group` and friends).
+        This rank's layout (also kept for :func:`sp_group` and :func:`sp_size`).
 
     Raises:
         KitConfigError: ``sp_size > 1`` without an initialised torch.distributed,
@@ -90,22 +90,16 @@ def init_sequence_parallel(sp_size: int) -> ParallelLayout:
     world, rank = dist.get_world_size(), dist.get_rank()
     check_world_size(sp_size, world)
     if sp_size == 1:
-        _LAYOUT = ParallelLayout(sp_ranks=(rank,), dp_group=dist.group.WORLD)
+        _LAYOUT = ParallelLayout()
         return _LAYOUT
-    mine: dict[str, object] = {}
+    mine = None
     # new_group is collective over the world: every rank creates every group, in
     # the same order, and keeps its own.
     for first in range(0, world, sp_size):
-        ranks = list(range(first, first + sp_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["sp"], mine["sp_ranks"] = group, tuple(ranks)
-    for offset in range(sp_size):
-        ranks = list(range(offset, world, sp_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["dp"] = group
-    _LAYOUT = ParallelLayout(sp_size, mine["sp"], mine["sp_ranks"], mine["dp"])
+        group = dist.new_group(list(range(first, first + sp_size)))
+        if first <= rank < first + sp_size:
+            mine = group
+    _LAYOUT = ParallelLayout(sp_size, mine)
     return _LAYOUT
 
 
@@ -115,10 +109,6 @@ def reset_sequence_parallel() -> None:
     _LAYOUT = ParallelLayout()
 
 
-def layout() -> ParallelLayout:
-    return _LAYOUT
-
-
 def sp_group() -> dist.ProcessGroup | None:
     """This rank's SP group, ``None`` when sequence parallelism is off."""
     return _LAYOUT.sp_group
@@ -126,29 +116,3 @@ def sp_group() -> dist.ProcessGroup | None:
 
 def sp_size() -> int:
     return _LAYOUT.sp_size
-
-
-def sp_rank() -> int:
-    """This rank's index inside its SP group (0 when SP is off)."""
-    if _LAYOUT.sp_group is None:
-        return 0
-    return dist.get_rank(_LAYOUT.sp_group)
-
-
-def sp_src_rank() -> int:
-    """Global rank of the first member of this rank's SP group (the broadcaster)."""
-    return _LAYOUT.sp_ranks[0] if _distributed() else 0
-
-
-def dp_size() -> int:
-    """Number of SP groups = data-parallel replicas (world size when SP is off)."""
-    if not _distributed():
-        return 1
-    return dist.get_world_size() // _LAYOUT.sp_size
-
-
-def dp_rank() -> int:
-    """Index of this rank's SP group among the data-parallel replicas."""
-    if not _distributed():
-        return 0
-    return dist.get_rank() // _LAYOUT.sp_size
