@@ -15,11 +15,6 @@ Timing (``triton.testing.do_bench`` median, forward + backward, bf16): the kit
 (deterministic and atomic), SDPA memory-efficient with the bias expanded over S,
 OF3's Triton kernel; then each kit kernel's autotuning table (ms per config) at the
 shapes timed, which is what the config lists are tuned from.
-
-fp32 dots: at OF3's training call site of the diffusion transformer (bf16 inputs,
-``high_precision``, torch's default "highest" matmul precision) the fp32 tiles' dots
-can run as ieee fp32 (CUDA cores) or 3xTF32 (tensor cores); both are timed and their
-errors against the fp64 reference printed next to plain torch's fp32 error.
 """
 
 from __future__ import annotations
@@ -133,46 +128,6 @@ def print_tuning_tables() -> None:
             print(f"        {t[0]:8.3f} ms  {cfg}")
 
 
-def compare_fp32_dots(shape=(1, 48, 768, 16, 48)) -> None:
-    """Time and check the high-precision path with ieee and 3xTF32 dots."""
-    from of3_megafold.kernels.evoflash import evoflash_attention_reference
-
-    q, k, v, m, b, do = _inputs(shape, "cuda", torch.bfloat16, torch.bfloat16)
-    leaves = (q, k, v, b)
-
-    def grads(fn, inputs=(q, k, v, m, b)):
-        leaves = [inputs[i] for i in (0, 1, 2, 4)]
-        o = fn(*inputs)
-        return [o.detach()] + list(torch.autograd.grad(o, leaves, do.to(o.dtype)))
-
-    exact = grads(evoflash_attention_reference, [
-        t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v, m, b)])
-    torch_fp32 = grads(lambda *a: evoflash_attention_reference(*a, upcast=True))
-    torch_err = [(x.float() - y.float()).abs().max().item()
-                 for x, y in zip(torch_fp32, exact, strict=True)]
-    print("fp32 dots at", "x".join(map(str, shape)), "(errors: o dq dk dv dbias)")
-    print(f"  torch fp32      err {' '.join(f'{e:8.2g}' for e in torch_err)}")
-    original = evoflash_function._precision
-    for label, precision in (("kit ieee", 2), ("kit 3xTF32", 3)):
-        evoflash_function._precision = lambda hp, p=precision: p if hp else 0
-        try:
-            fwd = _forward_fn("kit", high_precision=True)
-            got = grads(fwd)
-            err = [(x.float() - y.float()).abs().max().item()
-                   for x, y in zip(got, exact, strict=True)]
-
-            def step(fwd=fwd):
-                fwd(q, k, v, m, b).backward(do)
-                for t in leaves:
-                    t.grad = None
-
-            ms = triton.testing.do_bench(step, return_mode="median")
-            print(f"  {label:15} err {' '.join(f'{e:8.2g}' for e in err)}  "
-                  f"fwd+bwd {ms:8.3f} ms", flush=True)
-        finally:
-            evoflash_function._precision = original
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-check", action="store_true")
@@ -189,7 +144,6 @@ def main() -> int:
         time_shape("triangle", (1, n, n, 4, 32), args.providers)
     for shape in ((1, 48, 768, 16, 48), (1, 1, 768, 16, 24)):
         time_shape("diffusion" if shape[1] > 1 else "trunk", shape, args.providers)
-    compare_fp32_dots()
     print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -10,11 +10,10 @@ Conventions used by every kernel of the op:
   the end load zeros and are never stored.
 * head dims that are not a power of two >= 16 are zero padded by masked loads.
 * ``PRECISION``: 0 computes the dots in the input dtype (tf32 for fp32 inputs),
-  1 upcasts every tile to fp32 and uses tf32 dots, 2 upcasts and uses ieee fp32
-  dots on the CUDA cores, 3 upcasts and uses 3xTF32 dots (each fp32 operand split
-  into a tf32 high part and a tf32 residual, three tensor-core products: close to
-  fp32 accuracy at tensor-core speed; see ``function.evoflash_attention``'s
-  ``high_precision``).
+  1 upcasts every tile to fp32 and uses tf32 dots, 2 upcasts and uses 3xTF32 dots
+  (each fp32 operand split into a tf32 high part and a tf32 residual, three
+  tensor-core products: fp32 accuracy at tensor-core speed; see
+  ``function.evoflash_attention``'s ``high_precision``).
 """
 
 import os
@@ -53,12 +52,9 @@ else:
 
     @triton.jit
     def _dot(a, b, acc, PRECISION: tl.constexpr):
-        """``acc + a @ b``: ieee fp32 for ``PRECISION == 2``, 3xTF32 for
-        ``PRECISION == 3``, else the tiles' own tensor-core precision (bf16/fp16,
-        tf32 for fp32 tiles)."""
+        """``acc + a @ b``: 3xTF32 for ``PRECISION == 2``, else the tiles' own
+        tensor-core precision (bf16/fp16, tf32 for fp32 tiles)."""
         if PRECISION == 2:
-            out = tl.dot(a, b, acc, input_precision="ieee")
-        elif PRECISION == 3:
             out = tl.dot(a, b, acc, input_precision="tf32x3")
         else:
             out = tl.dot(a, b, acc)

@@ -66,15 +66,16 @@ def _launch(kernel, name: str, grid, **kwargs) -> None:
 
 def _precision(high_precision: bool) -> int:
     """The kernels' PRECISION: 0 dots in the input dtype; 1 fp32 tiles, tf32 dots;
-    3 fp32 tiles, 3xTF32 dots. High precision follows torch's float32 matmul
+    2 fp32 tiles, 3xTF32 dots. High precision follows torch's float32 matmul
     precision, as OF3's fp32 einsum does: fp32 accuracy at "highest" (torch's
     default, and OF3's in training unless ``--use_tf32``), tf32 at "high"/"medium"
-    (what ``run_openfold predict`` sets). fp32 accuracy comes from 3xTF32 tensor-core
-    dots rather than ieee CUDA-core dots (PRECISION 2, what the interpreter runs):
-    the GPU checks hold both to the same fp32 tolerance, and 3xTF32 is the faster."""
+    (what ``run_openfold predict`` sets). fp32 accuracy comes from 3xTF32
+    tensor-core dots, not ieee CUDA-core dots: on the H200 both met the same fp32
+    tolerance and 3xTF32 was 4.6x faster (docs/benchmarks.md). The interpreter
+    computes every dot in ieee fp32."""
     if not high_precision:
         return 0
-    return 3 if torch.get_float32_matmul_precision() == "highest" else 1
+    return 2 if torch.get_float32_matmul_precision() == "highest" else 1
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
