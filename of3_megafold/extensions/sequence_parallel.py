@@ -292,8 +292,8 @@ def _validate(config: Any) -> None:
         raise KitConfigError(
             f"{SIZE_KEY.yaml_path}: {size} needs "
             "model_update.custom.settings.gradient_clipping.per_sample_clipping: "
-            "false (a rank's gradient is only part of its sample's); Lightning's "
-            "gradient_clip_val in pl_trainer_args clips the averaged gradient"
+            "false (a rank's gradient is only part of its sample's); OF3 then "
+            "clips the averaged gradient at settings.gradient_clipping.clip_val"
         )
     no_samples = config.architecture.shared.diffusion.no_samples
     if SPLIT_KEY.read(config) and no_samples % size:
