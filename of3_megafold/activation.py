@@ -59,15 +59,20 @@ def _resolve(target: str) -> tuple[Any, str]:
     return owner, attr
 
 
+def _missing_dependency(err: ModuleNotFoundError) -> bool:
+    """An OF3 module failed to import because one of *its* packages is missing here
+    (a model-only install without the data pipeline's packages), not because the
+    kit named an OpenFold3 module that does not exist."""
+    return (err.name or "openfold3").split(".")[0] != "openfold3"
+
+
 def _install_patch(patch: registry.Patch) -> None:
     try:
         owner, attr = _resolve(patch.target)
     except ModuleNotFoundError as err:
-        if (err.name or "openfold3").split(".")[0] == "openfold3":
+        if not _missing_dependency(err):
             raise
-        # An OF3 module whose own dependencies are missing here (a model-only
-        # install without the data pipeline's packages): nothing can call it, so
-        # there is nothing to patch.
+        # Nothing here can call a module that does not import: nothing to patch.
         logger.info("not patching %s: %s", patch.target, err)
         return
     own = attr in vars(owner)
@@ -199,6 +204,8 @@ def activate(force: Iterable[str] | str = ()) -> None:
         try:
             register_datasets()
         except ModuleNotFoundError as err:
+            if not _missing_dependency(err):
+                raise
             logger.info(
                 "EvoPipe dataset not registered: OF3's data pipeline does not "
                 "import here (%s)",
