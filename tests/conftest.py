@@ -38,3 +38,13 @@ def demo_dataset(tmp_path_factory) -> Path:
     from of3_megafold.demo.build import ensure_demo_dataset
 
     return ensure_demo_dataset(tmp_path_factory.mktemp("demo-cache"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: two OpenMP threads on a 2-core
+    machine shared with other jobs spin-wait into 10x slowdowns of small models."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

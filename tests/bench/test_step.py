@@ -11,6 +11,8 @@ import torch
 from of3_megafold.bench import step
 from of3_megafold.bench.common import METADATA_FIELDS
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEP_FIELDS = {
     "provider",
     "mode",
@@ -26,16 +28,6 @@ STEP_FIELDS = {
     "recycles",
     "oom",
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two OpenMP threads on a 2-core machine shared with other jobs spin-wait into
-    # 10x slowdowns; one thread keeps the smoke test at a few seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -28,28 +28,36 @@ BATCH = 2
 C_S, C_Z = 8, 8
 
 
+# OF3's pairformer block arguments at small sizes (the stack tests use them too).
+SMALL_PAIRFORMER = dict(
+    c_s=C_S,
+    c_z=C_Z,
+    c_hidden_pair_bias=4,
+    no_heads_pair_bias=2,
+    c_hidden_mul=6,
+    c_hidden_pair_att=4,
+    no_heads_pair=2,
+    transition_type="swiglu",
+    transition_n=2,
+    fuse_projection_weights=False,
+    inf=1e9,
+)
+
+
+def randomize(module, seed: int):
+    """Every weight drawn from ``seed`` (OF3 zero-initialises some); returns it."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return module
+
+
 def make_block(seed: int, pair_dropout: float = 0.0):
     from openfold3.core.model.latent.pairformer import PairFormerBlock
 
-    block = PairFormerBlock(
-        c_s=C_S,
-        c_z=C_Z,
-        c_hidden_pair_bias=4,
-        no_heads_pair_bias=2,
-        c_hidden_mul=6,
-        c_hidden_pair_att=4,
-        no_heads_pair=2,
-        transition_type="swiglu",
-        transition_n=2,
-        pair_dropout=pair_dropout,
-        fuse_projection_weights=False,
-        inf=1e9,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return block
+    block = PairFormerBlock(**SMALL_PAIRFORMER, pair_dropout=pair_dropout)
+    return randomize(block, seed)
 
 
 def make_inputs(seed: int, n: int = N_TOKENS):

@@ -22,8 +22,10 @@ from tests.parallel.launch import run_on_ranks
 from tests.parallel.test_pairformer import (
     GRAD_TOL,
     OUT_TOL,
+    SMALL_PAIRFORMER,
     assert_close,
     make_inputs,
+    randomize,
     run,
     world_average,
 )
@@ -33,27 +35,13 @@ def make_stack(seed: int, pair_dropout: float, blocks_per_ckpt: int | None):
     from openfold3.core.model.latent.pairformer import PairFormerStack
 
     stack = PairFormerStack(
-        c_s=8,
-        c_z=8,
-        c_hidden_pair_bias=4,
-        no_heads_pair_bias=2,
-        c_hidden_mul=6,
-        c_hidden_pair_att=4,
-        no_heads_pair=2,
+        **SMALL_PAIRFORMER,
         no_blocks=2,
-        transition_type="swiglu",
-        transition_n=2,
         pair_dropout=pair_dropout,
-        fuse_projection_weights=False,
         blocks_per_ckpt=blocks_per_ckpt,
-        inf=1e9,
         use_reentrant=False,
     )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return stack.train()
+    return randomize(stack, seed).train()
 
 
 def plan(module, size):

@@ -60,6 +60,8 @@ from of3_megafold.bench import step
 from of3_megafold.extensions import sequence_parallel as sp_ext
 from tests.parallel.launch import run_on_ranks
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 N_TOKENS, N_MSA, N_TEMPL = 9, 4, 1
 RECYCLES = 1
 WEIGHT_SEED, BATCH_SEED = 11, 5
@@ -67,14 +69,6 @@ WEIGHT_SEED, BATCH_SEED = 11, 5
 OWN_SEED = 1000
 OUT_TOL = 1e-5  # forward values (relative to the tensor's largest entry)
 GRAD_TOL = 1e-5  # world-averaged gradients (relative, see assert_grads)
-
-
-class _Recycles:
-    """Stands in for OF3's ``synced_generator``: always ``RECYCLES``."""
-
-    def integers(self, low, high):
-        assert low <= RECYCLES < high
-        return RECYCLES
 
 
 def build(size: int, split: bool, no_samples: int):
@@ -114,7 +108,7 @@ def build(size: int, split: bool, no_samples: int):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.train()
-    model.synced_generator = _Recycles()
+    model.synced_generator = step._FixedRecycles(RECYCLES)
     return model, OpenFold3Loss(config=config.architecture.loss_module)
 
 
@@ -271,14 +265,6 @@ def assert_grads(actual: torch.Tensor, ref: dict, what: str) -> None:
     ):
         worst = max(worst, (rel_err(a, e, floor), name))
     assert worst[0] <= GRAD_TOL, f"{what}: {worst[1]} relative error {worst[0]:.2e}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
