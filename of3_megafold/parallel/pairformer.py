@@ -114,9 +114,9 @@ def sharded_triangle_attention(
         ``[*, N/P, N, C_z]`` the attention update of the local rows.
     """
     if not module.starting:
-        raise NotImplementedError(
-            "sequence parallelism runs PairBlock's starting-node triangle attention "
-            "modules (OF3 transposes z for the ending node)"
+        raise ValueError(
+            "sharded_triangle_attention takes a starting-node TriangleAttention, as "
+            "PairBlock holds for both nodes (it transposes z for the ending node)"
         )
     x = module.layer_norm(x)
     mask_bias = (module.inf * (mask - 1))[..., :, None, None, :]

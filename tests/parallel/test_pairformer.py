@@ -161,3 +161,24 @@ def _block_body(rank, world_size, seed):
 def test_sharded_block_matches_of3(tmp_path, world_size):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_on_ranks(_block_body, world_size, tmp_path, seed)
+
+
+def test_triangle_attention_takes_the_starting_node_module():
+    from openfold3.core.model.layers.triangular_attention import (
+        TriangleAttentionEndingNode,
+    )
+
+    from of3_megafold.parallel.pairformer import sharded_triangle_attention
+    from of3_megafold.parallel.shards import TokenShards
+
+    module = TriangleAttentionEndingNode(c_in=C_Z, c_hidden=4, no_heads=2)
+    x = torch.randn(1, 5, 5, C_Z)
+    with pytest.raises(ValueError, match="starting-node"):
+        sharded_triangle_attention(
+            module,
+            x,
+            torch.ones(1, 5, 5),
+            TokenShards.for_tokens(5, None),
+            transpose_bias=False,
+            chunk_size=None,
+        )
