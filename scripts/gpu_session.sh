@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install the carried wheels (.whl/, see docs/benchmarks.md),
 # then run the named steps, each logged to $OUT/<step>.log (results JSON to $OUT too).
-# A step may carry its own time limit in seconds: bench-attention@200.
+# A step may carry its own time limit in seconds (bench-attention@200) and a tag that
+# names its log and results (step.r1 -> step.r1.log, step.r1.json), so one session can
+# run a step twice:
 #   bash scripts/gpu_session.sh tests evoflash profile bench-transition@90 "step@200 --no-max-crop"
+# Several sessions may run at once on a multi-GPU machine (CUDA_VISIBLE_DEVICES, own
+# OUT): the wheels are installed once.
 set -uo pipefail
 OUT="${OUT:-/tmp/of3mf-out}"
 mkdir -p "$OUT"
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target /tmp/site .whl/*.whl || exit 1
+    if [ ! -f /tmp/site/.of3mf-installed ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/site .whl/*.whl || exit 1
+        touch /tmp/site/.of3mf-installed
+    fi
     export PYTHONPATH="/tmp/site:$PWD"
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
@@ -26,9 +33,10 @@ run() {  # run <step> <seconds> <command...>
 
 for spec in "$@"; do
     read -r head extra <<<"$spec"
-    step=${head%@*}
+    name=${head%@*}
     limit=""
-    [ "$head" != "$step" ] && limit=${head#*@}
+    [ "$head" != "$name" ] && limit=${head#*@}
+    step=${name%%.*}
     case "$step" in
         tests) run tests "${limit:-420}" python3 -m pytest tests/kernels tests/extensions -q -x \
             -p no:cacheprovider --durations=15 ;;
@@ -42,10 +50,11 @@ for spec in "$@"; do
         profile-step) run profile-step "${limit:-480}" python3 scripts/gpu_profile_step.py \
             "$OUT/profile_step.txt" $extra ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
+        host) run host "${limit:-240}" python3 scripts/gpu_host_overhead.py "$OUT/host.txt" ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
             "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py
-        step) run step "${limit:-540}" python3 scripts/gpu_step.py "$OUT/step.json" $extra ;;
+        step) run "$name" "${limit:-540}" python3 scripts/gpu_step.py "$OUT/$name.json" $extra ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
