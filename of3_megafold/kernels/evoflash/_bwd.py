@@ -45,13 +45,15 @@ from ._tiles import (
 
 @triton.jit
 def _evoflash_bwd_preprocess_kernel(
-    OUT, DO, RSCALE, DELTA,
+    OUT, DO, RSCALE, DELTA, RFLAG,
     stride_ob, stride_os, stride_on, stride_oh,
     stride_dob, stride_dos, stride_don, stride_doh,
     S, N, H, D,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``delta = r * rowsum(dO * O)`` per query row."""
+    """``delta = r * rowsum(dO * O)`` per query row, and ``RFLAG[b, s] = 1`` (an
+    int32 zero-initialised ``[B, S]``) where a query of slice ``(b, s)`` has
+    ``r < 1``: a fully masked query, whose normalisation the dK/dV pass must apply."""
     pid_m = tl.program_id(0)
     pid_bsh = tl.program_id(1)
     h = pid_bsh % H
@@ -64,9 +66,12 @@ def _evoflash_bwd_preprocess_kernel(
     do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh), offs_m,
                     offs_d, stride_don, N, D, False, True, False, True)
     r_row = _stat_ptr(RSCALE, b, s, h, S, H, N)
-    r = tl.load(r_row + offs_m, mask=offs_m < N, other=0.0)
+    r = tl.load(r_row + offs_m, mask=offs_m < N, other=1.0)
     tl.store(_stat_ptr(DELTA, b, s, h, S, H, N) + offs_m, tl.sum(o * do, 1) * r,
              mask=offs_m < N)
+    partial = tl.max((r < 1 - 1e-4).to(tl.int32), 0)
+    if partial != 0:
+        tl.atomic_max(RFLAG + b * S + s, partial)
 
 
 @triton.jit

@@ -126,12 +126,12 @@ def _load_key_mask(
     MASK, b, s, offs_n, N, stride_mb, stride_ms, stride_mn,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """The fp32 key mask ``mask_bias[b, s, j]`` for keys ``offs_n``; ``-inf`` past
-    N. The launcher has pinned values below -2^29 (OF3's -1e9, or -inf) to -2^30:
-    like -1e9 in fp32 it swallows any logit below 32 in magnitude, so a query whose
-    keys are all masked sees equal logits and uniform weights, as in OF3; being a
-    power of two, its product with log2(e) is exact, so those logits stay equal
-    whether the compiler fuses ``s * log2(e) - c`` into one FMA or not."""
+    """The key mask ``mask_bias[b, s, j]`` for keys ``offs_n`` in fp32, ``-inf``
+    past N. Read in its own dtype; values below -2^29 (OF3's -1e9, or -inf) are
+    pinned to -2^30: like -1e9 in fp32 it swallows any logit below 32 in magnitude,
+    so a query whose keys are all masked sees equal logits and uniform weights, as
+    in OF3; being a power of two, its product with log2(e) is exact, so those logits
+    stay equal whether the compiler fuses ``s * log2(e) - c`` into one FMA or not."""
     if HAS_MASK:
         ptrs = (
             MASK
@@ -140,9 +140,12 @@ def _load_key_mask(
             + offs_n * stride_mn
         )
         if EVEN_N:
-            m = tl.load(ptrs)
+            m = tl.load(ptrs).to(tl.float32)
         else:
-            m = tl.load(ptrs, mask=offs_n < N, other=float("-inf"))
+            m = tl.load(ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
+        m = tl.where(m < -536870912.0, -1073741824.0, m)
+        if not EVEN_N:
+            m = tl.where(offs_n < N, m, float("-inf"))
     else:
         m = tl.where(offs_n < N, 0.0, float("-inf"))
     return m

@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 
+from .._launch import TunedKernel
 from . import configs
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
@@ -30,10 +31,13 @@ _HEURISTICS = {
 _KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "PRECISION"]
 
 
-def _tunable(kernel, tuned_configs, key, reset_to_zero=None):
+def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None) -> TunedKernel:
+    """The kernel with its heuristics, autotuned over ``tuned_configs`` on ``key``
+    (under the interpreter: the fixed ``configs.INTERPRETER_CONFIGS[name]``),
+    launched through :class:`TunedKernel`."""
     kernel = triton.heuristics(_HEURISTICS)(kernel)
     if configs.INTERPRET:
-        return kernel
+        return TunedKernel(kernel, fixed=configs.INTERPRETER_CONFIGS[name])
     options = {
         "configs": tuned_configs,
         "key": key,
@@ -41,27 +45,23 @@ def _tunable(kernel, tuned_configs, key, reset_to_zero=None):
         "reset_to_zero": reset_to_zero,
     }
     try:
-        return triton.autotune(cache_results=True, **options)(kernel)
+        return TunedKernel(triton.autotune(cache_results=True, **options)(kernel))
     except TypeError:  # a Triton without the on-disk autotuning cache
-        return triton.autotune(**options)(kernel)
+        return TunedKernel(triton.autotune(**options)(kernel))
 
 
-_fwd = _tunable(_evoflash_fwd_kernel, configs.FWD_CONFIGS + configs.FWD_CONFIGS_FP32,
+_fwd = _tunable(_evoflash_fwd_kernel, "fwd",
+                configs.FWD_CONFIGS + configs.FWD_CONFIGS_FP32,
                 _KEY + ["HAS_BIAS", "BIAS_PER_S"])
-_dq = _tunable(_evoflash_bwd_dq_kernel, configs.DQ_CONFIGS + configs.DQ_CONFIGS_FP32,
+_dq = _tunable(_evoflash_bwd_dq_kernel, "dq",
+               configs.DQ_CONFIGS + configs.DQ_CONFIGS_FP32,
                _KEY + ["HAS_BIAS", "BIAS_PER_S", "COMPUTE_DQ", "STORE_DS"])
-_dkdv = _tunable(_evoflash_bwd_dkdv_kernel,
+_dkdv = _tunable(_evoflash_bwd_dkdv_kernel, "dkdv",
                  configs.DKDV_CONFIGS + configs.DKDV_CONFIGS_FP32,
                  _KEY + ["HAS_BIAS", "BIAS_PER_S"])
-_dbias = _tunable(_evoflash_bwd_dbias_kernel,
+_dbias = _tunable(_evoflash_bwd_dbias_kernel, "dbias",
                   configs.DBIAS_CONFIGS + configs.DBIAS_CONFIGS_FP32,
                   _KEY + ["FUSE_DQ"], reset_to_zero=["DQ_ACC"])
-
-
-def _launch(kernel, name: str, grid, **kwargs) -> None:
-    if configs.INTERPRET:
-        kwargs.update(configs.INTERPRETER_CONFIGS[name])
-    kernel[grid](**kwargs)
 
 
 def _precision(high_precision: bool) -> int:
@@ -117,14 +117,10 @@ class _Inputs:
                     f"mask_bias must broadcast to [B, S, 1, 1, N], got "
                     f"{tuple(mask_bias.shape)}"
                 )
-            # One small [B|1, S|1, N] fp32 pass, so the kernels load fp32 key
-            # masks as is: values below -2^29 (OF3's -1e9, -inf) pinned to -2^30,
-            # a power of two that swallows logits below 32 exactly (see _tiles).
-            m = m[:, :, 0, 0, :].float()
-            m = torch.where(m < -(2.0**29), -(2.0**30), m)
-            m = m.expand(m.shape[0], m.shape[1], N).contiguous()
-            self.mask = m[:, :, None, None, :]  # what backward passes back in
-            m = m.expand(B, S, N)
+            # Read by the kernels in place, in its dtype (they pin OF3's -1e9 and
+            # -inf, see _tiles._load_key_mask); broadcast dims get stride 0.
+            self.mask = m
+            m = m[:, :, 0, 0, :].expand(B, S, N)
             self.mask_strides = (m.stride(0), m.stride(1), m.stride(2))
         self.bias = None
         self.bias_shape = None
@@ -193,8 +189,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
 
     (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
     (svb, svs, svn, svh), (sob, sos, son, soh) = _strides(inp.v), _strides(o)
-    _launch(
-        _fwd, "fwd", grid,
+    _fwd[grid](
         Q=q, K=inp.k, V=inp.v,
         MASK=inp.mask if inp.mask is not None else q,
         BIAS=inp.bias if inp.bias is not None else q,
@@ -248,8 +243,10 @@ def evoflash_bwd(
     sdb, sds, sdn, sdh = _strides(do)
     block_d = max(16, configs.next_power_of_2(D))
     pre_block = 64 if block_d <= 64 else 32
+    # S slices holding a query whose keys are all masked (r = 1/l there)
+    needs_r = torch.zeros((B, S), dtype=torch.int32, device=q.device)
     _evoflash_bwd_preprocess_kernel[(configs.cdiv(N, pre_block), B * S * H)](
-        o, do, r, delta,
+        o, do, r, delta, needs_r,
         sob, sos, son, soh, sdb, sds, sdn, sdh,
         S, N, H, D, BLOCK_M=pre_block, BLOCK_D=block_d,
     )
@@ -277,8 +274,6 @@ def evoflash_bwd(
     if need_dkdv:
         dk = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
         dv = torch.empty_like(dk)
-        # S slices holding a query whose keys are all masked (r = 1/l there)
-        needs_r = (r < 1 - 1e-4).flatten(2).any(dim=2).to(torch.int32).contiguous()
         bias_args = inp.bias_args()
         bias_t = bias
         if inp.bias is not None:
@@ -293,8 +288,8 @@ def evoflash_bwd(
             return (configs.cdiv(N, meta["BLOCK_N"]) * configs.cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
-        _launch(_dkdv, "dkdv", grid_dkdv, DK=dk, DV=dv, BIAS_T=bias_t,
-                RFLAG=needs_r, **args, **bias_args)
+        _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=needs_r, **args,
+                         **bias_args)
 
     need_dbias = need_dbias and inp.bias is not None
     reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
@@ -312,8 +307,8 @@ def evoflash_bwd(
             return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(N, meta["BLOCK_N"])
                     * H * B * splits,)
 
-        _launch(
-            _dbias, "dbias", grid_dbias, BIAS=bias, **args,
+        _dbias[grid_dbias](
+            BIAS=bias, **args,
             DQ_ACC=dq_acc, DBIAS_PART=part,
             stride_bb=sb, stride_bh=sh, stride_bi=si,
             stride_dbp=part.stride(0), stride_dbb=part.stride(1),
@@ -340,8 +335,8 @@ def evoflash_bwd(
             return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
-        _launch(
-            _dq, "dq", grid_dq, BIAS=bias, **args, **inp.bias_args(),
+        _dq[grid_dq](
+            BIAS=bias, **args, **inp.bias_args(),
             DQ=dq if dq is not None else unused,
             DBIAS=dbias if store_ds else unused,
             stride_dbb=db_strides[0], stride_dbs=db_strides[1],

@@ -1,0 +1,87 @@
+"""Launching autotuned Triton kernels with the autotuner's per-call host work done once.
+
+Triton's ``Autotuner.run`` rebuilds, on every launch, a dict of all the kernel's
+arguments, filters it against the argument names and reads every tensor's dtype to
+form its key; ``Heuristics.run`` builds another such dict per heuristic. For kernels
+with ~50 arguments (strides of five tensors) that host work is a few tens of
+microseconds per launch, several launches per forward + backward: at small shapes it,
+not the GPU, sets the time (docs/benchmarks.md, "host overhead").
+
+:class:`TunedKernel` keeps the autotuner as it is for the first launch of every
+tuning key (benchmarking, on-disk cache, compilation all happen there) and remembers
+the configuration it chose; later launches with that key go straight to the JIT
+function's ``run`` with the chosen configuration and the heuristics' values, which is
+what the autotuner itself ends up calling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from triton.runtime.autotuner import Autotuner, Heuristics
+
+
+class TunedKernel:
+    """``kernel[grid](**kwargs)`` for a ``triton.autotune``/``triton.heuristics``
+    wrapped kernel, with the dispatch done once per tuning key.
+
+    Args:
+        kernel: the decorated kernel: ``autotune(heuristics(jit))``, ``autotune(jit)``,
+            ``heuristics(jit)`` or a bare JIT function.
+        fixed: meta-parameters (e.g. block sizes) for a kernel that is not autotuned:
+            under the Triton interpreter, where nothing is tuned.
+
+    The tuning key is what the autotuner uses: its key arguments' values and the
+    dtypes of all tensor arguments. Launch with keyword arguments only.
+    """
+
+    def __init__(self, kernel: Any, fixed: Mapping[str, Any] | None = None):
+        self._entry = kernel
+        self._tuner = kernel if isinstance(kernel, Autotuner) else None
+        self._key_names = tuple(self._tuner.keys) if self._tuner else ()
+        heuristics: dict[str, Callable[[dict], Any]] = {}
+        fn = kernel
+        while isinstance(fn, (Autotuner, Heuristics)):
+            if isinstance(fn, Heuristics):
+                heuristics.update(fn.values)
+            fn = fn.fn
+        self._jit = fn
+        self._heuristics = heuristics
+        self._fixed = dict(fixed or {})
+        # tuning key -> (the config's meta-parameters, every launch option)
+        self._chosen: dict[tuple, tuple[dict, dict]] = {}
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        return lambda **kwargs: self._launch(grid, kwargs)
+
+    def _key(self, kwargs: dict[str, Any]) -> tuple:
+        values = tuple(kwargs[name] for name in self._key_names)
+        dtypes = tuple(v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor))
+        return values + dtypes
+
+    def _launch(self, grid, kwargs: dict[str, Any]) -> None:
+        key = self._key(kwargs)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            self._first_launch(key, grid, kwargs)
+            return
+        meta, options = chosen
+        if self._heuristics:
+            merged = {**kwargs, **meta}
+            for name, rule in self._heuristics.items():
+                kwargs[name] = rule(merged)
+        self._jit.run(grid=grid, warmup=False, **kwargs, **options)
+
+    def _first_launch(self, key: tuple, grid, kwargs: dict[str, Any]) -> None:
+        """Through Triton's wrappers (tuning, caches, compilation); remembers the
+        choice unless a config carries a pre-hook (then every launch goes this way)."""
+        if self._tuner is None:
+            self._entry[grid](**kwargs, **self._fixed)
+            self._chosen[key] = (self._fixed, self._fixed)
+            return
+        self._entry[grid](**kwargs)
+        config = self._tuner.best_config
+        if config.pre_hook is None:
+            self._chosen[key] = (dict(config.kwargs), config.all_kwargs())
