@@ -34,8 +34,8 @@ from of3_megafold.bench.attention_core import _forward_fn, _inputs  # noqa: E402
 from of3_megafold.kernels.evoflash import function as evoflash_function  # noqa: E402
 from tests.kernels.test_evoflash import GPU_CASES, Case, check_case  # noqa: E402
 
-TUNED = {"fwd": evoflash_function._fwd, "dq": evoflash_function._dq,
-         "dkdv": evoflash_function._dkdv, "dbias": evoflash_function._dbias}
+TUNED = {name: getattr(evoflash_function, f"_{name}").autotuner
+         for name in ("fwd", "dq", "dkdv", "dbias")}
 
 
 def run_checks() -> bool:

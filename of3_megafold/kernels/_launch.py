@@ -53,6 +53,11 @@ class TunedKernel:
         # tuning key -> (the config's meta-parameters, every launch option)
         self._chosen: dict[tuple, tuple[dict, dict]] = {}
 
+    @property
+    def autotuner(self) -> Autotuner | None:
+        """Triton's autotuner behind this kernel (its timings, best config), if any."""
+        return self._tuner
+
     def __getitem__(self, grid) -> Callable[..., None]:
         return lambda **kwargs: self._launch(grid, kwargs)
 
