@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from of3_megafold.kernels.backend import interpreter_enabled
 
@@ -13,21 +15,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@triton.jit
+def _axpy_kernel(X, Y, n, alpha, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        x = tl.load(X + offs)
+        tl.store(Y + offs, x * alpha + 1.0)
+    else:
+        x = tl.load(X + offs, mask=offs < n)
+        tl.store(Y + offs, x * alpha + 2.0, mask=offs < n)
+
+
 def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def axpy(X, Y, n, alpha, BLOCK: tl.constexpr, EVEN: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        if EVEN:
-            x = tl.load(X + offs)
-            tl.store(Y + offs, x * alpha + 1.0)
-        else:
-            x = tl.load(X + offs, mask=offs < n)
-            tl.store(Y + offs, x * alpha + 2.0, mask=offs < n)
-
-    heuristic = triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})(axpy)
+    """Fresh wrappers (each test gets its own autotuner cache)."""
+    heuristic = triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})(
+        _axpy_kernel
+    )
     tuned = triton.autotune(configs=[triton.Config({"BLOCK": 16})], key=["n"])(
         heuristic
     )
