@@ -62,9 +62,10 @@ class TunedKernel:
         return lambda **kwargs: self._launch(grid, kwargs)
 
     def _key(self, kwargs: dict[str, Any]) -> tuple:
-        values = tuple(kwargs[name] for name in self._key_names)
-        dtypes = tuple(v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor))
-        return values + dtypes
+        return (
+            *[kwargs[name] for name in self._key_names],
+            *[v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor)],
+        )
 
     def _launch(self, grid, kwargs: dict[str, Any]) -> None:
         key = self._key(kwargs)
