@@ -57,12 +57,12 @@ def test_launches_match_and_reuse_the_choice(autotuned, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = [
         torch.randn(n, device=device, dtype=dtype)
-        for n, dtype in ((32, torch.float32), (17, torch.float32), (32, torch.float16))
+        for n, dtype in ((32, torch.float32), (17, torch.float32), (32, torch.float64))
     ]
     for x in inputs:  # first launch of each key: through Triton's wrappers
         torch.testing.assert_close(_run(kernel, x, 3.0), _expected(x, 3.0))
-    # one entry per (autotuning key values, dtypes): n=32 fp32, n=17 fp32, n=32 fp16;
-    # a fixed config has no key values: fp32, fp16 (EVEN still differs per launch)
+    # one entry per (autotuning key values, dtypes): n=32 fp32, n=17 fp32, n=32 fp64;
+    # a fixed config has no key values: fp32, fp64 (EVEN still differs per launch)
     assert len(kernel._chosen) == (3 if autotuned else 2)
 
     def no_wrappers(*args, **kwargs):
