@@ -71,8 +71,10 @@ OUT_TOL = 1e-5  # forward values (relative to the tensor's largest entry)
 GRAD_TOL = 1e-5  # world-averaged gradients (relative, see assert_grads)
 
 
-def build(size: int, split: bool, no_samples: int):
-    """The tiny model (train mode) and loss, the same weights in every process."""
+def build(size: int, split: bool, no_samples: int, settings: dict | None = None):
+    """The tiny model (train mode) and loss, the same weights in every process.
+
+    ``settings``: more ``settings`` keys of the model config update."""
     from openfold3.core.loss.loss_module import OpenFold3Loss
     from openfold3.projects.of3_all_atom.model import OpenFold3
 
@@ -96,7 +98,9 @@ def build(size: int, split: bool, no_samples: int):
             "gradient_clipping": {"per_sample_clipping": False},
         },
     }
-    config = step.build_model_config("tiny", update)
+    config = step.build_model_config(
+        "tiny", step.deep_merge(update, {"settings": settings or {}})
+    )
     random.seed(WEIGHT_SEED)
     np.random.seed(WEIGHT_SEED)
     torch.manual_seed(WEIGHT_SEED)
@@ -112,8 +116,8 @@ def build(size: int, split: bool, no_samples: int):
     return model, OpenFold3Loss(config=config.architecture.loss_module)
 
 
-def training_batch():
-    return step.random_training_batch(N_TOKENS, N_MSA, N_TEMPL, seed=BATCH_SEED)
+def training_batch(seed: int = BATCH_SEED):
+    return step.random_training_batch(N_TOKENS, N_MSA, N_TEMPL, seed=seed)
 
 
 def seed_own_streams(rank: int) -> None:
@@ -205,17 +209,25 @@ def chunked_train_diffusion(model, size: int):
     return _train_diffusion
 
 
-def reference_step(size: int, split: bool, no_samples: int) -> dict:
-    """One process, OF3's stock path, seeded as the group seeds its forward."""
+def reference_step(
+    size: int,
+    split: bool,
+    no_samples: int,
+    first_rank: int = 0,
+    batch_seed: int = BATCH_SEED,
+    settings: dict | None = None,
+) -> dict:
+    """One process, OF3's stock path, seeded as the group whose first rank is
+    ``first_rank`` seeds its forward, on the batch drawn with ``batch_seed``."""
     from of3_megafold.parallel.shards import shared_seed
 
-    model, loss_fn = build(size, split, no_samples)
+    model, loss_fn = build(size, split, no_samples, settings)
     for m in model.modules():
         object.__setattr__(m, sp_ext.PLAN_ATTR, sp_ext._Plan())
     if split:
         model._train_diffusion = chunked_train_diffusion(model, size)
-    batch = training_batch()  # (seeds every generator: before the seeding below)
-    seed_own_streams(0)
+    batch = training_batch(batch_seed)  # (seeds every generator: before the below)
+    seed_own_streams(first_rank)
     with torch.random.fork_rng(devices=[]):
         seed = shared_seed(None, torch.device("cpu"))
         python_state = random.getstate()
@@ -229,6 +241,7 @@ def reference_step(size: int, split: bool, no_samples: int) -> dict:
     loss, logged = loss_fn(batch, outputs, _return_breakdown=True)
     loss.backward()
     return {
+        "model": model,
         "outputs": detached(outputs),
         "recycles": recycles,
         "logged": logged,
