@@ -48,6 +48,14 @@ def _compare(module, inputs, forced_or_tagged):
     """Errors of kit-fp32 and stock-fp32 against stock-fp64."""
     torch.manual_seed(1)
     ref_module = copy.deepcopy(module).double()
+    # fp64 still resolves logits next to OF3's -1e9 mask bias, where fp32 and the
+    # kernel swallow them: a query whose keys are all masked gets softmax(logits) in
+    # fp64 but uniform weights in OF3's fp32 (and the kit). A mask bias far past
+    # fp64's resolution gives the reference OF3's fp32 semantics there; with 1e9 both
+    # paths had ~17% error on those rows and the 2x rule could not fail.
+    for m in ref_module.modules():
+        if hasattr(m, "inf"):
+            m.inf = 1e30
     ref_inputs = {k: v.double() for k, v in inputs.items()}
     out_shape = module(**inputs).shape
     grad_out = torch.randn(out_shape, dtype=torch.float64)

@@ -390,10 +390,16 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
         need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
         inp = ctx.inp
         inp.restore_tensors(*tensors)
-        dq, dk, dv, dbias = evoflash_bwd(
-            inp, do, o, lse, r, ctx.scale, ctx.high_precision, ctx.deterministic,
-            need_dq, need_dk or need_dv, need_dbias,
-        )
+        try:
+            dq, dk, dv, dbias = evoflash_bwd(
+                inp, do, o, lse, r, ctx.scale, ctx.high_precision, ctx.deterministic,
+                need_dq, need_dk or need_dv, need_dbias,
+            )
+        finally:
+            # The node (this ctx) outlives its backward until the whole graph is
+            # freed; tensors left on it would keep every call's q, k, v alive
+            # through the rest of the backward.
+            inp.drop_tensors()
         return (dq, dk if need_dk else None, dv if need_dv else None, None, dbias,
                 None, None, None)
 
