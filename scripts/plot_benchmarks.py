@@ -41,8 +41,8 @@ KNOWN_BENCHMARKS = (
     "transition",
 )
 SIZE_FIELDS = ("n_token", "n_atom", "n", "N", "seq_len", "n_res", "size")
-SERIES_FIELDS = frozenset({"provider", "dtype", "precision"})
-SERIES_ORDER = ("provider", "dtype", "precision")
+SERIES_FIELDS = frozenset({"provider", "dtype", "precision", "variant"})
+SERIES_ORDER = ("provider", "dtype", "precision", "variant")
 # Text fields that never split rows into panels: they identify the run, not the case.
 IDENTITY_FIELDS = frozenset(
     {
@@ -59,6 +59,7 @@ IDENTITY_FIELDS = frozenset(
         "bench",
         "matmul_precision",
         "permutation_alignment",
+        "note",
     }
 )
 # Measured or derived values: never a reason to split rows into panels.
