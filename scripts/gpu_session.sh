@@ -70,7 +70,7 @@ for spec in "$@"; do
                        test_pairformer.py test_diffusion_transformer.py test_primitives.py \
                        test_diffusion_loss.py test_of3_model.py -q -rfs -p no:warnings ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
-        host) run host "${limit:-240}" python3 scripts/gpu_host_overhead.py "$OUT/host.txt" ;;
+        host) run host "${limit:-240}" python3 scripts/gpu_profile_kernels.py "$OUT/host.txt" --host ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
             "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py
