@@ -46,36 +46,6 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def _core_triangle_rows(args) -> list[dict]:
-    """The ``kit`` provider again with the fused TriangleAttention path disabled,
-    its rows renamed ``kit-core-triangle`` and appended to ``args.out_json``."""
-    import json
-    import tempfile
-
-    from of3_megafold.bench.common import append_rows
-    from of3_megafold.bench.step import run_step_bench
-    from of3_megafold.extensions import evoflash_attention
-
-    fusable = evoflash_attention._fusable
-    evoflash_attention._fusable = lambda *_: False
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            scratch = Path(tmp) / "rows.json"
-            run_step_bench(
-                providers=["kit"], tokens=args.tokens, n_msa=args.n_msa,
-                n_templ=args.n_templ, config=args.config, repeats=args.repeats,
-                warmup=args.warmup, out_json=scratch, max_crop=False,
-                launch_tokens=args.launch_tokens, num_recycles=args.num_recycles,
-            )
-            rows = json.loads(scratch.read_text())
-    finally:
-        evoflash_attention._fusable = fusable
-    for row in rows:
-        row["provider"] = "kit-core-triangle"
-    append_rows(args.out_json, rows)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -99,13 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fixed recycle count per step (OF3 draws 0-3 in training; default: "
         "OF3's first draw, 3 with the default sync seed)",
-    )
-    parser.add_argument(
-        "--core-triangle",
-        action="store_true",
-        help="then also the kit with EvoFlash's fused TriangleAttention path off "
-        "(only the attention core on the kernel, as before it), rows named "
-        "kit-core-triangle (same process, after the other providers)",
     )
     parser.add_argument("--n-msa", type=int, default=1024)
     parser.add_argument("--n-templ", type=int, default=4)
@@ -161,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         launch_tokens=args.launch_tokens,
         num_recycles=args.num_recycles,
     )
-    if args.core_triangle:
-        rows += _core_triangle_rows(args)
     print(format_table(rows))
     print(
         f"{len(rows)} rows appended to {args.out_json} in "
