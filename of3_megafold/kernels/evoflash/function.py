@@ -8,6 +8,7 @@ logits. See ``_fwd`` and ``_bwd`` for the kernels.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -149,13 +150,13 @@ class _Inputs:
         when absent)."""
         return self.q, self.k, self.v, self.mask, self.bias
 
-    def drop_tensors(self) -> None:
-        """Forget the tensors, keep shapes, strides and flags (for the backward)."""
-        self.q = self.k = self.v = self.mask = self.bias = None
-
-    def restore_tensors(self, q, k, v, mask, bias) -> None:
-        """Put back the tensors :meth:`tensors` returned (after autograd saved them)."""
-        self.q, self.k, self.v, self.mask, self.bias = q, k, v, mask, bias
+    def with_tensors(self, q, k, v, mask, bias) -> _Inputs:
+        """A copy with these checked shapes, strides and flags and other tensors:
+        ``None`` for the autograd node (the tensors go through save_for_backward),
+        the saved ones in the backward."""
+        inp = copy.copy(self)
+        inp.q, inp.k, inp.v, inp.mask, inp.bias = q, k, v, mask, bias
+        return inp
 
     def common_args(self, high_precision: bool) -> dict:
         return dict(
@@ -368,11 +369,11 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             return torch.empty((inp.B, inp.S, inp.N, inp.H, inp.D), dtype=q.dtype,
                                device=q.device)
         o, lse, r = evoflash_fwd(inp, scale, high_precision)
+        # The backward reuses the checked views' strides and flags; the tensors
+        # travel through save_for_backward (in-place modification checks, and
+        # freed after the backward: the node itself lives until the graph does).
         ctx.save_for_backward(*inp.tensors(), o, lse, r)
-        # The checked views, strides and flags are reused by the backward; the
-        # tensors travel through save_for_backward (in-place modification checks).
-        inp.drop_tensors()
-        ctx.inp = inp
+        ctx.inp = inp.with_tensors(None, None, None, None, None)
         ctx.scale = scale
         ctx.high_precision = high_precision
         ctx.deterministic = deterministic
@@ -388,18 +389,11 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             return (*grads, None, bias_grad, None, None, None)
         *tensors, o, lse, r = ctx.saved_tensors
         need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
-        inp = ctx.inp
-        inp.restore_tensors(*tensors)
-        try:
-            dq, dk, dv, dbias = evoflash_bwd(
-                inp, do, o, lse, r, ctx.scale, ctx.high_precision, ctx.deterministic,
-                need_dq, need_dk or need_dv, need_dbias,
-            )
-        finally:
-            # The node (this ctx) outlives its backward until the whole graph is
-            # freed; tensors left on it would keep every call's q, k, v alive
-            # through the rest of the backward.
-            inp.drop_tensors()
+        dq, dk, dv, dbias = evoflash_bwd(
+            ctx.inp.with_tensors(*tensors), do, o, lse, r, ctx.scale,
+            ctx.high_precision, ctx.deterministic, need_dq, need_dk or need_dv,
+            need_dbias,
+        )
         return (dq, dk if need_dk else None, dv if need_dv else None, None, dbias,
                 None, None, None)
 
