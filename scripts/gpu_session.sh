@@ -63,12 +63,10 @@ for spec in "$@"; do
             "$OUT/profile_step.txt" $extra ;;
         # OF3's CUDA-only tests with every kit extension forced (the GPU machine lacks
         # OF3's S3 client packages, which its test conftest imports, and the repacked
-        # wheel has no tests/test_data: empty stand-ins; these files need neither)
+        # wheel has no tests/test_data: empty stand-ins; the CUDA tests need neither)
         of3-tests) of3_test_stubs
                    run of3-tests "${limit:-300}" python3 -m of3_megafold.cli test-of3 \
-                       --extensions all test_kernels.py test_triangular_attention.py \
-                       test_pairformer.py test_diffusion_transformer.py test_primitives.py \
-                       test_diffusion_loss.py test_of3_model.py -q -rfs -p no:warnings ;;
+                       --extensions all --subset ci test_of3_model.py -q -rfs -p no:warnings ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         host) run host "${limit:-240}" python3 scripts/gpu_profile_kernels.py "$OUT/host.txt" --host ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
