@@ -19,6 +19,18 @@ if [ -d .whl ]; then
     export PYTHONPATH="/tmp/site:$PWD"
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+# EvoFlash keeps its autotuning choices in Triton's cache (cache_results): bring the
+# choices of an earlier machine (carried as .triton-autotune/) and send this
+# machine's back under $OUT/triton-autotune/, so a fresh machine skips the ~3 min of
+# tuning. Only the small *.autotune.json files travel, not the compiled kernels.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/of3mf-triton-cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+[ -d .triton-autotune ] && cp -r .triton-autotune/. "$TRITON_CACHE_DIR/"
+save_autotune() {
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' \
+        -exec cp --parents {} "$OUT/triton-autotune/" \;) 2>/dev/null
+}
+mkdir -p "$OUT/triton-autotune"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -28,6 +40,7 @@ run() {  # run <step> <seconds> <command...>
     echo "=== $step"
     timeout "$limit" "$@" >"$OUT/$step.log" 2>&1
     echo "exit $? ($step)" | tee -a "$OUT/$step.log"
+    save_autotune  # after every step: a call cut short keeps what was tuned
     tail -n 25 "$OUT/$step.log"
 }
 
