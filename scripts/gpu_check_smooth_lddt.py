@@ -278,12 +278,12 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
     print(f"gather x: {bench(lambda: gather_sorted_x(x, plan)):.3f} ms")
 
     t32 = t.float().contiguous()
-    scale = torch.ones(1, x.shape[1], device=DEVICE)
+    ones = torch.ones(1, x.shape[1], device=DEVICE)  # dLoss/dA, incoming gradient
     search_configs = [(SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, None)]
     if sweep:
         search_configs += [(64, 32, 8), (32, 32, 4), (32, 32, 8), (16, 16, 2)]
     for rows, cols, warps in search_configs:
-        plan = make_plan(t, nuc, mask[:, 0], rows, cols, False)
+        plan = make_plan(t, nuc, mask[:, 0], rows, cols, False, False)
         kw = {} if warps is None else {"num_warps": warps}
         for k in (128, 256, 512) if warps is None else (256,):
             ms = bench(
@@ -301,7 +301,7 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
             )
             bwd = bench(
                 lambda li=lists, kw=kw: neighbor_score_bwd(
-                    x, t32, *li, scale, 1e-8, **kw
+                    x, t32, *li, ones, ones, 1e-8, **kw
                 )
             )
             print(

@@ -20,8 +20,11 @@ integer finaliser (public domain, hash-prospector), applied twice; ``r`` comes f
 32x32->64-bit multiply-high, biased by at most ``(t + 1) / 2^32``.
 
 The scan visits only block pairs that can hold a neighbour (Morton sort and bounding
-boxes, ``_spatial.py``). One search serves every sample: the ground truth is shared
-over the sample dimension. Outputs are integer tensors and carry no gradient.
+boxes, ``_spatial.py``). One program owns a row block and everything about its rows:
+it lists the block's tiles, empties the rows' int64 slots, scans, and writes the low
+words of the claimed slots (the neighbour indices) as the int32 lists, all in one
+launch. One search serves every sample: the ground truth is shared over the sample
+dimension. Outputs are integer tensors and carry no gradient.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._spatial import SpatialPlan, make_plan
+from ._spatial import SpatialPlan, list_row_block_tiles, make_plan, tile_chunk
 from .reference import per_atom_inputs
 
 SEARCH_BLOCK_ROWS = 64
 SEARCH_BLOCK_COLS = 32
 # 64 x 32 tiles: 8 warps keep 8 pairs per thread, well inside the register budget.
 SEARCH_NUM_WARPS = 8
+# Slots per row a program empties / converts at once (64 x 64 int64: 16 per thread).
+SEARCH_BLOCK_K = 64
 
 
 @triton.jit
@@ -56,10 +61,11 @@ def _ball_query_kernel(
     t_ptr,  # [B, 3, N] fp32, sorted order
     r_ptr,  # [B, N] fp32 inclusion radius of the row atom, 0 = masked out
     perm_ptr,  # [B, N] int32, sorted position -> original index
-    tiles_ptr,  # [B, NRB, NCB] int32
-    n_tiles_ptr,  # [B, NRB] int32
-    slot_ptr,  # [B, N, K] int64, original row order, initialised to -1
-    count_ptr,  # [B, N] int32, original order
+    box_ptr,  # [B, NCB, 8] fp32 column block boxes
+    tiles_ptr,  # [B, NRB, NCB] int32 scratch: this row block's tile list
+    slot_ptr,  # [B, N, K] int64 scratch, original row order
+    nbr_ptr,  # [B, N, K] int32 out, original row order
+    count_ptr,  # [B, N] int32 out, original order
     N,
     NRB,
     NCB,
@@ -68,6 +74,8 @@ def _ball_query_kernel(
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rb = tl.program_id(0)
     b = tl.program_id(1)
@@ -81,13 +89,24 @@ def _ball_query_kernel(
     ri2 = ri * ri
     orig_i = tl.load(perm_ptr + b * N + rows, mask=row_ok, other=0)
 
+    # This program alone writes its rows' slots: empty them (the claims below take
+    # the maximum with what is there) and list the row block's tiles. Other threads
+    # of the program read both, hence the barrier.
+    slot_row = slot_ptr + (b * N + orig_i).to(tl.int64) * K
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        empty = tl.full([BLOCK_M, BLOCK_K], -1, tl.int64)
+        in_row = row_ok[:, None] & (ks[None, :] < K)
+        tl.store(slot_row[:, None] + ks[None, :], empty, mask=in_row)
+    tile_row = tiles_ptr + (b * NRB + rb).to(tl.int64) * NCB
+    n_tiles = list_row_block_tiles(
+        box_ptr, tile_row, b, rb, NCB, BLOCK_M // BLOCK_N, False, CHUNK
+    )
+    tl.debug_barrier()
+
     stream = _lowbias32(seed.to(tl.uint32) ^ (b.to(tl.uint32) * 0x9E3779B9))
     row_key = _lowbias32(stream + orig_i.to(tl.uint32))
-    slot_row = slot_ptr + (b * N + orig_i).to(tl.int64) * K
     count = tl.zeros([BLOCK_M], dtype=tl.int32)
-
-    n_tiles = tl.load(n_tiles_ptr + b * NRB + rb)
-    tile_row = tiles_ptr + (b * NRB + rb).to(tl.int64) * NCB
     for q in range(0, n_tiles):
         cb = tl.load(tile_row + q)
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,6 +138,16 @@ def _ball_query_kernel(
         tl.atomic_max(slot_row[:, None] + slot, packed, mask=claim, sem="relaxed")
 
     tl.store(count_ptr + b * N + orig_i, count, mask=row_ok)
+    # The low word of a claimed slot is the neighbour index: write those, then -1.
+    tl.debug_barrier()
+    n_listed = tl.minimum(count, K)
+    nbr_row = nbr_ptr + (b * N + orig_i).to(tl.int64) * K
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        used = row_ok[:, None] & (ks[None, :] < n_listed[:, None])
+        packed = tl.load(slot_row[:, None] + ks[None, :], mask=used, other=-1)
+        in_row = row_ok[:, None] & (ks[None, :] < K)
+        tl.store(nbr_row[:, None] + ks[None, :], packed.to(tl.int32), mask=in_row)
 
 
 def ball_query_search(
@@ -128,19 +157,28 @@ def ball_query_search(
     eps: float,
     num_warps: int = SEARCH_NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the search on a plan built with ``symmetric=False``; see ``ball_query``."""
+    """Run the search on a plan (``plan.tiles`` unused: each program lists its row
+    block's tiles itself, non-symmetric); see ``ball_query``.
+
+    One launch. Besides the outputs it takes ``B * N * K`` int64 of scratch (the
+    packed claims) until it returns.
+    """
     b, _, n = plan.truth.shape
-    nrb, ncb = plan.tiles.shape[1], plan.tiles.shape[2]
+    nrb = triton.cdiv(n, plan.block_rows)
+    ncb = plan.boxes.shape[1]
     dev = plan.truth.device
-    slots = torch.full((b, n, max_neighbors), -1, device=dev, dtype=torch.int64)
+    tiles = torch.empty((b, nrb, ncb), device=dev, dtype=torch.int32)
+    slots = torch.empty((b, n, max_neighbors), device=dev, dtype=torch.int64)
+    neighbors = torch.empty((b, n, max_neighbors), device=dev, dtype=torch.int32)
     counts = torch.empty((b, n), device=dev, dtype=torch.int32)
     _ball_query_kernel[(nrb, b)](
         plan.truth,
         plan.radius,
         plan.perm,
-        plan.tiles,
-        plan.n_tiles,
+        plan.boxes,
+        tiles,
         slots,
+        neighbors,
         counts,
         n,
         nrb,
@@ -150,11 +188,10 @@ def ball_query_search(
         eps,
         BLOCK_M=plan.block_rows,
         BLOCK_N=plan.block_cols,
+        CHUNK=tile_chunk(ncb),
+        BLOCK_K=SEARCH_BLOCK_K,
         num_warps=num_warps,
     )
-    # The low 32-bit word of each slot is the neighbour index, and -1 (empty) stays
-    # -1: view the int64 slots as int32 pairs (little-endian) and keep the low words.
-    neighbors = slots.view(torch.int32)[..., 0::2].contiguous()
     return neighbors, counts
 
 
@@ -202,5 +239,7 @@ def ball_query(
     seed = draw_seed() if seed is None else int(seed) % (2**31)
     guard = torch.cuda.device(truth.device) if truth.is_cuda else nullcontext()
     with guard:
-        plan = make_plan(truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False)
+        plan = make_plan(
+            truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False, False
+        )
         return ball_query_search(plan, max_neighbors, seed, eps)

@@ -32,6 +32,13 @@ MODE_GRAD_ROWS = 2  # backward, deterministic: rows only (columns in a second pa
 
 
 @triton.jit
+def _backward_scale(dloss_ptr, grad_ptr, bs, S, grad_stride_b, grad_stride_s):
+    """dLoss/dA of (batch, sample) ``bs`` times the incoming gradient of its loss."""
+    grad_off = (bs // S) * grad_stride_b + (bs % S) * grad_stride_s
+    return tl.load(dloss_ptr + bs) * tl.load(grad_ptr + grad_off).to(tl.float32)
+
+
+@triton.jit
 def _neighbor_rows_kernel(
     x_ptr,  # [B*S, N, 3] any float dtype, original order
     t_ptr,  # [B, N, 3] fp32
@@ -39,11 +46,14 @@ def _neighbor_rows_kernel(
     count_ptr,  # [B, N] int32 in-radius counts
     a_ptr,  # [B*S, NRB] fp32 partial sums (MODE_LOSS)
     g_ptr,  # [B*S, N, 3] fp32 gradient (other modes)
-    scale_ptr,  # [B*S] fp32: dLoss/dA * incoming gradient
+    dloss_ptr,  # [B*S] fp32 dLoss/dA (other modes)
+    grad_ptr,  # [B, S] incoming gradient of the loss, any strides (other modes)
     N,
     S,
     NRB,
     K,
+    grad_stride_b,
+    grad_stride_s,
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,7 +76,10 @@ def _neighbor_rows_kernel(
     n_listed = tl.minimum(n_in, K)
     weight = tl.where(n_listed > 0, n_in.to(tl.float32) / tl.maximum(n_listed, 1), 0.0)
     if MODE != 0:
-        weight = weight * (0.25 * tl.load(scale_ptr + bs))
+        scale = _backward_scale(
+            dloss_ptr, grad_ptr, bs, S, grad_stride_b, grad_stride_s
+        )
+        weight = weight * (0.25 * scale)
 
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     g0 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -131,10 +144,13 @@ def _neighbor_cols_kernel(
     rev_ptr_ptr,  # [B, N + 1] int32 CSR offsets of the reverse lists
     rev_src_ptr,  # [B, N*K] int32: rows i listing j, grouped by j
     g_ptr,  # [B*S, N, 3] fp32, holds the row terms; the column terms are added
-    scale_ptr,  # [B*S] fp32
+    dloss_ptr,  # [B*S] fp32 dLoss/dA
+    grad_ptr,  # [B, S] incoming gradient of the loss, any strides
     N,
     S,
     K,
+    grad_stride_b,
+    grad_stride_s,
     eps,
     BLOCK_J: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -154,7 +170,9 @@ def _neighbor_cols_kernel(
     tj2 = tl.load(t_base + js * 3 + 2, mask=j_ok, other=0.0)
     start = tl.load(rev_ptr_ptr + b * (N + 1) + js, mask=j_ok, other=0)
     degree = tl.load(rev_ptr_ptr + b * (N + 1) + js + 1, mask=j_ok, other=0) - start
-    scale = 0.25 * tl.load(scale_ptr + bs)
+    scale = 0.25 * _backward_scale(
+        dloss_ptr, grad_ptr, bs, S, grad_stride_b, grad_stride_s
+    )
     src_base = rev_src_ptr + b.to(tl.int64) * N * K
 
     g0 = tl.zeros([BLOCK_J], dtype=tl.float32)
@@ -238,10 +256,13 @@ def neighbor_score_fwd(
         a_part,
         a_part,
         a_part,
+        a_part,
         n,
         s,
         nrb,
         k,
+        0,
+        0,
         eps,
         BLOCK_M=SCORE_BLOCK_ROWS,
         BLOCK_K=SCORE_BLOCK_K,
@@ -256,20 +277,24 @@ def neighbor_score_bwd(
     truth: torch.Tensor,
     neighbors: torch.Tensor,
     counts: torch.Tensor,
-    scale: torch.Tensor,
+    dloss_da: torch.Tensor,
+    grad_loss: torch.Tensor,
     eps: float,
     reverse: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = SCORE_NUM_WARPS,
 ) -> torch.Tensor:
-    """``scale[b, s] * dA_hat/dx`` as ``[B, S, N, 3]`` float32.
+    """``dloss_da[b, s] * grad_loss[b, s] * dA_hat/dx`` as ``[B, S, N, 3]`` float32.
 
-    With ``reverse`` (from ``reverse_neighbors``) no atomics are used and the result is
-    bitwise reproducible; otherwise column terms are accumulated with ``atomic_add``.
+    ``dloss_da`` is ``[B, S]`` float32 contiguous (from ``lddt_loss_from_sums``);
+    ``grad_loss`` is ``[B, S]`` float, any strides (an expanded gradient is read as
+    it is). With ``reverse`` (from ``reverse_neighbors``) no atomics are used and the
+    result is bitwise reproducible; otherwise column terms are accumulated with
+    ``atomic_add``.
     """
     b, s, n, _ = x.shape
     k = neighbors.shape[-1]
     nrb = -(-n // SCORE_BLOCK_ROWS)
-    scale = scale.float().contiguous()
+    grad_stride_b, grad_stride_s = grad_loss.stride()
     if reverse is None:
         grad = torch.zeros((b, s, n, 3), device=x.device, dtype=torch.float32)
         mode = MODE_GRAD_ATOMIC
@@ -283,11 +308,14 @@ def neighbor_score_bwd(
         counts,
         grad,
         grad,
-        scale,
+        dloss_da,
+        grad_loss,
         n,
         s,
         nrb,
         k,
+        grad_stride_b,
+        grad_stride_s,
         eps,
         BLOCK_M=SCORE_BLOCK_ROWS,
         BLOCK_K=SCORE_BLOCK_K,
@@ -303,10 +331,13 @@ def neighbor_score_bwd(
             offsets,
             sources,
             grad,
-            scale,
+            dloss_da,
+            grad_loss,
             n,
             s,
             k,
+            grad_stride_b,
+            grad_stride_s,
             eps,
             BLOCK_J=SCORE_BLOCK_ROWS,
             BLOCK_E=SCORE_BLOCK_K,

@@ -8,15 +8,17 @@ pair and is skipped exactly. This is the cell-list / space-filling-curve sort of
 N-body and molecular-dynamics codes; the Morton bit interleave is the textbook
 "part1by2" trick.
 
-Planning is three small Triton kernels and one ``torch.argsort`` per call, without
-host synchronisation:
+Planning is two or three small Triton kernels and one ``torch.argsort`` per call,
+without host synchronisation:
 
 1. ``_morton_keys_kernel``: per structure, the bounding box of the atoms in the mask,
    then a 30-bit Morton key per atom (atoms outside the mask sort last).
 2. ``_sorted_blocks_kernel``: gathers the ground truth and inclusion radius into
    sorted order and writes each column block's bounding box and largest radius.
-3. ``_tile_list_kernel``: for each row block, the column blocks whose boxes come
-   within the radius, compacted in increasing order.
+3. ``_tile_list_kernel`` (``list_tiles=True``): for each row block, the column blocks
+   whose boxes come within the radius, compacted in increasing order
+   (``list_row_block_tiles``). A consumer with one program per row block (the
+   neighbour search) calls that function itself instead, one launch fewer.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from .reference import NUCLEOTIDE_CUTOFF, PROTEIN_CUTOFF
 
 _MORTON_BITS = 10
 # The kernels compare rounded fp32 distances; a little slack keeps the skip exact.
-_CUTOFF_SLACK = 1e-3
-_CUTOFF_RELATIVE_SLACK = 1e-5
+_CUTOFF_SLACK = tl.constexpr(1e-3)
+_CUTOFF_RELATIVE_SLACK = tl.constexpr(1e-5)
 
 
 @dataclass
@@ -46,10 +48,13 @@ class SpatialPlan:
         radius: ``[B, N]`` float32 in sorted order: inclusion radius of the atom as a
             row (15 or 30 A), 0 for atoms outside the loss mask.
         n_valid: ``[B]`` int32, atoms in the loss mask.
+        boxes: ``[B, NCB, 8]`` float32 per column block: lowest x, y, z and highest
+            x, y, z of its atoms in the mask (``+inf``/``-inf`` when it has none),
+            largest radius, unused.
         tiles: ``[B, NRB, NCB]`` int32: for each row block, the column blocks that
             may hold a contributing pair, in increasing order; only the first
-            ``n_tiles`` entries of a row are written.
-        n_tiles: ``[B, NRB]`` int32.
+            ``n_tiles`` entries of a row are written. None without ``list_tiles``.
+        n_tiles: ``[B, NRB]`` int32, or None without ``list_tiles``.
         block_rows, block_cols: block sizes the tiles were built for.
     """
 
@@ -58,8 +63,9 @@ class SpatialPlan:
     truth: torch.Tensor
     radius: torch.Tensor
     n_valid: torch.Tensor
-    tiles: torch.Tensor
-    n_tiles: torch.Tensor
+    boxes: torch.Tensor
+    tiles: torch.Tensor | None
+    n_tiles: torch.Tensor | None
     block_rows: int
     block_cols: int
 
@@ -175,20 +181,18 @@ def _sorted_blocks_kernel(
 
 
 @triton.jit
-def _tile_list_kernel(
+def list_row_block_tiles(
     box_ptr,  # [B, NCB, 8] fp32
-    tiles_ptr,  # [B, NRB, NCB] int32 out
-    n_tiles_ptr,  # [B, NRB] int32 out
-    NRB,
+    out_ptr,  # [NCB] int32 out: this row block's list
+    b,
+    rb,
     NCB,
     SUB: tl.constexpr,  # column blocks per row block
     SYMMETRIC: tl.constexpr,
     CHUNK: tl.constexpr,
-    REL_SLACK: tl.constexpr,
-    ABS_SLACK: tl.constexpr,
 ):
-    rb = tl.program_id(0)
-    b = tl.program_id(1)
+    """Write the column blocks that may hold a pair of row block ``rb`` of structure
+    ``b`` to ``out_ptr``, in increasing order; return how many."""
     sub = rb * SUB + tl.arange(0, SUB)
     sub_ok = sub < NCB
     row_box = box_ptr + (b * NCB + sub) * 8
@@ -200,7 +204,6 @@ def _tile_list_kernel(
     rhi2 = tl.max(tl.load(row_box + 5, mask=sub_ok, other=float("-inf")), axis=0)
     r_row = tl.max(tl.load(row_box + 6, mask=sub_ok, other=0.0), axis=0)
 
-    out = tiles_ptr + (b * NRB + rb).to(tl.int64) * NCB
     count = tl.zeros([], tl.int32)
     for c0 in range(0, NCB, CHUNK):
         cb = c0 + tl.arange(0, CHUNK)
@@ -220,13 +223,36 @@ def _tile_list_kernel(
         dist2 = g0 * g0 + g1 * g1 + g2 * g2
         r_rows = r_col * 0.0 + r_row  # as a tensor (the interpreter needs it)
         cut = tl.maximum(r_col, r_rows) if SYMMETRIC else r_rows
-        limit = cut * (1.0 + REL_SLACK) + ABS_SLACK
+        limit = cut * (1.0 + _CUTOFF_RELATIVE_SLACK) + _CUTOFF_SLACK
         active = ok & (dist2 < limit * limit) & (r_rows > 0.0) & (r_col > 0.0)
         active_i = active.to(tl.int32)
         slot = count + tl.cumsum(active_i, axis=0) - active_i
-        tl.store(out + slot, cb, mask=active)
+        tl.store(out_ptr + slot, cb, mask=active)
         count += tl.sum(active_i, axis=0)
+    return count
+
+
+@triton.jit
+def _tile_list_kernel(
+    box_ptr,  # [B, NCB, 8] fp32
+    tiles_ptr,  # [B, NRB, NCB] int32 out
+    n_tiles_ptr,  # [B, NRB] int32 out
+    NRB,
+    NCB,
+    SUB: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    b = tl.program_id(1)
+    out = tiles_ptr + (b * NRB + rb).to(tl.int64) * NCB
+    count = list_row_block_tiles(box_ptr, out, b, rb, NCB, SUB, SYMMETRIC, CHUNK)
     tl.store(n_tiles_ptr + b * NRB + rb, count)
+
+
+def tile_chunk(ncb: int) -> int:
+    """``CHUNK`` of ``list_row_block_tiles`` for ``ncb`` column blocks."""
+    return min(1024, triton.next_power_of_2(ncb))
 
 
 def _as_loadable(t: torch.Tensor) -> torch.Tensor:
@@ -241,6 +267,7 @@ def make_plan(
     block_rows: int,
     block_cols: int,
     symmetric: bool,
+    list_tiles: bool = True,
 ) -> SpatialPlan:
     """Sort atoms and list the block pairs that can hold an included pair.
 
@@ -252,12 +279,16 @@ def make_plan(
         symmetric: keep a tile if it may hold a pair included from either side
             (``c_ij`` or ``c_ji``: the fused kernel's gradient needs both); otherwise
             only pairs included for the row atom (the neighbour search).
+        list_tiles: build ``tiles`` / ``n_tiles``; without, they are None and the
+            consumer lists each row block's tiles from ``boxes`` itself
+            (``list_row_block_tiles``).
     """
     if block_rows % block_cols:
         raise ValueError("block_rows must be a multiple of block_cols")
     b, n, _ = truth.shape
     dev = truth.device
-    t = truth.float().contiguous()
+    t = truth if truth.dtype == torch.float32 else truth.float()
+    t = t.contiguous()
     nuc = _as_loadable(is_nucleotide)
     valid = _as_loadable(atom_mask)
     nrb = triton.cdiv(n, block_rows)
@@ -292,26 +323,27 @@ def make_plan(
         R_NUCLEOTIDE=NUCLEOTIDE_CUTOFF,
     )
 
-    tiles = torch.empty((b, nrb, ncb), device=dev, dtype=torch.int32)
-    n_tiles = torch.empty((b, nrb), device=dev, dtype=torch.int32)
-    _tile_list_kernel[(nrb, b)](
-        boxes,
-        tiles,
-        n_tiles,
-        nrb,
-        ncb,
-        SUB=block_rows // block_cols,
-        SYMMETRIC=symmetric,
-        CHUNK=min(1024, triton.next_power_of_2(ncb)),
-        REL_SLACK=_CUTOFF_RELATIVE_SLACK,
-        ABS_SLACK=_CUTOFF_SLACK,
-    )
+    tiles = n_tiles = None
+    if list_tiles:
+        tiles = torch.empty((b, nrb, ncb), device=dev, dtype=torch.int32)
+        n_tiles = torch.empty((b, nrb), device=dev, dtype=torch.int32)
+        _tile_list_kernel[(nrb, b)](
+            boxes,
+            tiles,
+            n_tiles,
+            nrb,
+            ncb,
+            SUB=block_rows // block_cols,
+            SYMMETRIC=symmetric,
+            CHUNK=tile_chunk(ncb),
+        )
     return SpatialPlan(
         perm=perm,
         inv_perm=inv_perm,
         truth=t_sorted,
         radius=r_sorted,
         n_valid=n_valid,
+        boxes=boxes,
         tiles=tiles,
         n_tiles=n_tiles,
         block_rows=block_rows,

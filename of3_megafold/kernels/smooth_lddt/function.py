@@ -131,7 +131,7 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
         with _on_device(x):
             if neighbors is None:
                 plan = make_plan(
-                    truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False
+                    truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False, False
                 )
                 nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
                 n_valid = plan.n_valid
@@ -140,7 +140,8 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
                 counts = counts.to(torch.int32).contiguous()
                 n_valid = (mask != 0).sum(dim=1, dtype=torch.int32)
             x = x.contiguous()
-            t32 = truth.float().contiguous()
+            t32 = truth if truth.dtype == torch.float32 else truth.float()
+            t32 = t32.contiguous()
             a_part = neighbor_score_fwd(x, t32, nbr, counts, eps)
             loss, dloss_da = lddt_loss_from_sums(a_part, counts, n_valid, s, eps)
             if ctx.needs_input_grad[0]:
@@ -155,18 +156,20 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         x, t32, nbr, counts, dloss_da, *reverse = ctx.saved_tensors
-        scale = dloss_da * grad_loss.float()
         with _on_device(x):
             grad = neighbor_score_bwd(
                 x,
                 t32,
                 nbr,
                 counts,
-                scale,
+                dloss_da,
+                grad_loss,
                 ctx.eps,
                 reverse=tuple(reverse) if reverse else None,
             )
-        return grad.to(x.dtype), None, None, None, None, None, None, None, None
+        if grad.dtype != x.dtype:
+            grad = grad.to(x.dtype)
+        return grad, None, None, None, None, None, None, None, None
 
 
 def smooth_lddt_ball_query(
