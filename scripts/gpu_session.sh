@@ -21,16 +21,15 @@ fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 # EvoFlash keeps its autotuning choices in Triton's cache (cache_results): bring the
 # choices of an earlier machine (carried as .triton-autotune/) and send this
-# machine's back under $OUT/triton-autotune/, so a fresh machine skips the ~3 min of
+# machine's back as $OUT/triton-autotune.tgz (unpack it into .triton-autotune/), so a fresh machine skips the ~3 min of
 # tuning. Only the small *.autotune.json files travel, not the compiled kernels.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/of3mf-triton-cache}"
 mkdir -p "$TRITON_CACHE_DIR"
 [ -d .triton-autotune ] && cp -r .triton-autotune/. "$TRITON_CACHE_DIR/"
 save_autotune() {
-    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' \
-        -exec cp --parents {} "$OUT/triton-autotune/" \;) 2>/dev/null
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 |
+        tar -czf "$OUT/triton-autotune.tgz" --null -T -) 2>/dev/null
 }
-mkdir -p "$OUT/triton-autotune"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -46,8 +45,10 @@ run() {  # run <step> <seconds> <command...>
 
 of3_test_stubs() {  # importable stand-ins for OF3's S3 client packages, if missing
     local stubs=/tmp/of3mf-stubs
-    python3 -c "import boto3, botocore, awscrt" 2>/dev/null && return
-    mkdir -p "$stubs/boto3" "$stubs/botocore" "$stubs/awscrt"
+    python3 -c "import boto3, botocore, awscrt, func_timeout" 2>/dev/null && return
+    mkdir -p "$stubs/boto3" "$stubs/botocore" "$stubs/awscrt" "$stubs/func_timeout"
+    printf 'class FunctionTimedOut(Exception):\n    pass\n\n\ndef func_timeout(timeout, func, args=(), kwargs=None):\n    return func(*args, **(kwargs or {}))\n' \
+        >"$stubs/func_timeout/__init__.py"
     touch "$stubs/boto3/__init__.py" "$stubs/awscrt/__init__.py" "$stubs/awscrt/checksums.py"
     echo "UNSIGNED = object()" >"$stubs/botocore/__init__.py"
     printf 'class Config:\n    def __init__(self, *args, **kwargs):\n        pass\n' \

@@ -7,6 +7,8 @@ with ``A = sum c e m`` (partials from the pair kernels), ``C = sum c m`` (partia
 per-atom neighbour counts) and ``M = sum m = n (n - 1)``, exact from the number ``n`` of
 atoms in the mask (the pair mask is the outer product of the atom mask without its
 diagonal). Sums run in float64 in a fixed order, so the result is reproducible.
+``lddt_loss_of_row`` is the reduction of one (batch, sample); the sparse score kernel
+calls it from its last program instead of launching ``_lddt_loss_kernel``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,40 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Partial sums one program reduces per step.
+LOSS_BLOCK = 1024
+
+
+@triton.jit
+def lddt_loss_of_row(
+    a_row,  # [A_LEN] fp32 partial sums of c e m of one (batch, sample)
+    c_row,  # [C_LEN] int32 partial sums of c m
+    n_valid,  # atoms in the mask (scalar)
+    loss_ptr,  # fp32 out, one value
+    dloss_ptr,  # fp32 out, one value
+    A_LEN,
+    C_LEN,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    """Reduce one (batch, sample)'s partial sums, in a fixed order, to the loss and
+    dLoss/dA."""
+    a = tl.zeros([BLOCK], dtype=tl.float64)
+    for k0 in range(0, A_LEN, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        a += tl.load(a_row + k, mask=k < A_LEN, other=0.0).to(tl.float64)
+    c = tl.zeros([BLOCK], dtype=tl.int64)
+    for k0 in range(0, C_LEN, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        c += tl.load(c_row + k, mask=k < C_LEN, other=0).to(tl.int64)
+    a_sum = tl.sum(a, axis=0)
+    c_sum = tl.sum(c, axis=0).to(tl.float64)
+    n = n_valid.to(tl.float64)
+    m_sum = n * (n - 1.0) + eps
+    c_mean = c_sum / m_sum + eps
+    tl.store(loss_ptr, (1.0 - (a_sum / m_sum) / c_mean).to(tl.float32))
+    tl.store(dloss_ptr, (-1.0 / (m_sum * c_mean)).to(tl.float32))
 
 
 @triton.jit
@@ -31,23 +67,17 @@ def _lddt_loss_kernel(
     BLOCK: tl.constexpr,
 ):
     bs = tl.program_id(0)
-    a_row = a_ptr + bs.to(tl.int64) * A_LEN
-    c_row = c_ptr + (bs // C_DIV).to(tl.int64) * C_LEN
-    a = tl.zeros([BLOCK], dtype=tl.float64)
-    for k0 in range(0, A_LEN, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        a += tl.load(a_row + k, mask=k < A_LEN, other=0.0).to(tl.float64)
-    c = tl.zeros([BLOCK], dtype=tl.int64)
-    for k0 in range(0, C_LEN, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        c += tl.load(c_row + k, mask=k < C_LEN, other=0).to(tl.int64)
-    a_sum = tl.sum(a, axis=0)
-    c_sum = tl.sum(c, axis=0).to(tl.float64)
-    n = tl.load(n_valid_ptr + bs // S).to(tl.float64)
-    m_sum = n * (n - 1.0) + eps
-    c_mean = c_sum / m_sum + eps
-    tl.store(loss_ptr + bs, (1.0 - (a_sum / m_sum) / c_mean).to(tl.float32))
-    tl.store(dloss_ptr + bs, (-1.0 / (m_sum * c_mean)).to(tl.float32))
+    lddt_loss_of_row(
+        a_ptr + bs.to(tl.int64) * A_LEN,
+        c_ptr + (bs // C_DIV).to(tl.int64) * C_LEN,
+        tl.load(n_valid_ptr + bs // S),
+        loss_ptr + bs,
+        dloss_ptr + bs,
+        A_LEN,
+        C_LEN,
+        eps,
+        BLOCK,
+    )
 
 
 def lddt_loss_from_sums(
@@ -84,6 +114,6 @@ def lddt_loss_from_sums(
         c_part.shape[1],
         c_div,
         eps,
-        BLOCK=1024,
+        BLOCK=LOSS_BLOCK,
     )
     return loss.view(bs // s, s), dloss.view(bs // s, s)

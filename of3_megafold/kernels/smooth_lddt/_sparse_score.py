@@ -20,13 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._loss import LOSS_BLOCK, lddt_loss_of_row
 from ._pair_score import lddt_pair_score
 
 SCORE_BLOCK_ROWS = 32
 SCORE_BLOCK_K = 64
 SCORE_NUM_WARPS = 8
 
-MODE_LOSS = 0  # forward: partial sums of w_i e_ij
+MODE_LOSS = 0  # forward: partial sums of w_i e_ij, then the loss
 MODE_GRAD_ATOMIC = 1  # backward: rows in registers, columns with atomic_add
 MODE_GRAD_ROWS = 2  # backward, deterministic: rows only (columns in a second pass)
 
@@ -44,9 +45,12 @@ def _neighbor_rows_kernel(
     t_ptr,  # [B, N, 3] fp32
     nbr_ptr,  # [B, N, K] int32, -1 = empty, used slots first
     count_ptr,  # [B, N] int32 in-radius counts
+    n_valid_ptr,  # [B] int32 atoms in the mask (MODE_LOSS)
     a_ptr,  # [B*S, NRB] fp32 partial sums (MODE_LOSS)
+    arrived_ptr,  # [B*S] int32 zeros: programs done per (b, s) (MODE_LOSS)
+    loss_ptr,  # [B*S] fp32 out (MODE_LOSS)
     g_ptr,  # [B*S, N, 3] fp32 gradient (other modes)
-    dloss_ptr,  # [B*S] fp32 dLoss/dA (other modes)
+    dloss_ptr,  # [B*S] fp32 dLoss/dA: out in MODE_LOSS, in otherwise
     grad_ptr,  # [B, S] incoming gradient of the loss, any strides (other modes)
     N,
     S,
@@ -124,6 +128,23 @@ def _neighbor_rows_kernel(
 
     if MODE == 0:
         tl.store(a_ptr + bs * NRB + rb, tl.sum(acc * weight, axis=0) * 0.25)
+        # The last program of (b, s) to finish reduces its partials (in a fixed
+        # order, whichever program that is): the barrier and the release/acquire
+        # of the count make every other program's partial visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrived_ptr + bs, 1, sem="acq_rel")
+        if arrived == NRB - 1:
+            lddt_loss_of_row(
+                a_ptr + bs * NRB,
+                count_ptr + b * N,
+                tl.load(n_valid_ptr + b),
+                loss_ptr + bs,
+                dloss_ptr + bs,
+                NRB,
+                N,
+                eps,
+                LOSS_BLOCK,
+            )
     else:
         g_rows = g_ptr + bs.to(tl.int64) * N * 3 + rows * 3
         if MODE == 1:
