@@ -279,6 +279,7 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
 
     t32 = t.float().contiguous()
     ones = torch.ones(1, x.shape[1], device=DEVICE)  # dLoss/dA, incoming gradient
+    n_valid = (mask[:, 0] != 0).sum(dim=1, dtype=torch.int32)
     search_configs = [(SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, None)]
     if sweep:
         search_configs += [(64, 32, 8), (32, 32, 4), (32, 32, 8), (16, 16, 2)]
@@ -297,7 +298,9 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
         for warps in (None, 4, 8) if sweep and k == 256 else (None,):
             kw = {} if warps is None else {"num_warps": warps}
             fwd = bench(
-                lambda li=lists, kw=kw: neighbor_score_fwd(x, t32, *li, 1e-8, **kw)
+                lambda li=lists, kw=kw: neighbor_score_fwd(
+                    x, t32, *li, n_valid, 1e-8, **kw
+                )
             )
             bwd = bench(
                 lambda li=lists, kw=kw: neighbor_score_bwd(

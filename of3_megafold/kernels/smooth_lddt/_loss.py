@@ -54,27 +54,25 @@ def lddt_loss_of_row(
 
 @triton.jit
 def _lddt_loss_kernel(
-    a_ptr,  # [B*S, A_LEN] fp32 partial sums of c e m
-    c_ptr,  # [rows, C_LEN] int32 partial sums of c m; row = (b*S + s) // C_DIV
+    a_ptr,  # [B*S, LEN] fp32 partial sums of c e m
+    c_ptr,  # [B*S, LEN] int32 partial sums of c m
     n_valid_ptr,  # [B] int32
     loss_ptr,  # [B*S] fp32 out
     dloss_ptr,  # [B*S] fp32 out
     S,
-    A_LEN,
-    C_LEN,
-    C_DIV,
+    LEN,
     eps,
     BLOCK: tl.constexpr,
 ):
     bs = tl.program_id(0)
     lddt_loss_of_row(
-        a_ptr + bs.to(tl.int64) * A_LEN,
-        c_ptr + (bs // C_DIV).to(tl.int64) * C_LEN,
+        a_ptr + bs.to(tl.int64) * LEN,
+        c_ptr + bs.to(tl.int64) * LEN,
         tl.load(n_valid_ptr + bs // S),
         loss_ptr + bs,
         dloss_ptr + bs,
-        A_LEN,
-        C_LEN,
+        LEN,
+        LEN,
         eps,
         BLOCK,
     )
@@ -90,18 +88,14 @@ def lddt_loss_from_sums(
     """Loss and dLoss/dA, both ``[B, S]`` float32.
 
     Args:
-        a_part: ``[B * S, *]`` float32 partial sums of ``c e m``.
-        c_part: ``[B * S, *]`` (per sample) or ``[B, *]`` (shared by the samples) int32
-            partial sums of ``c m``.
+        a_part: ``[B * S, ...]`` float32 contiguous partial sums of ``c e m``.
+        c_part: int32 partial sums of ``c m``, same shape and layout.
         n_valid: ``[B]`` int32 atoms in the mask.
         s: samples per batch element.
         eps: OF3's eps.
     """
     bs = a_part.shape[0]
-    a_part = a_part.reshape(bs, -1)
-    c_part = c_part.reshape(c_part.shape[0], -1)
-    c_div = bs // c_part.shape[0]
-    loss = torch.empty(bs, device=a_part.device, dtype=torch.float32)
+    loss = torch.empty((bs // s, s), device=a_part.device, dtype=torch.float32)
     dloss = torch.empty_like(loss)
     _lddt_loss_kernel[(bs,)](
         a_part,
@@ -110,10 +104,8 @@ def lddt_loss_from_sums(
         loss,
         dloss,
         s,
-        a_part.shape[1],
-        c_part.shape[1],
-        c_div,
+        a_part.numel() // bs,
         eps,
         BLOCK=LOSS_BLOCK,
     )
-    return loss.view(bs // s, s), dloss.view(bs // s, s)
+    return loss, dloss

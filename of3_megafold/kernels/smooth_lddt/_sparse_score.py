@@ -8,6 +8,10 @@ Horvitz-Thompson estimator), exact when ``n_i <= K``. ``C = sum c m = sum_i n_i`
 ``M = sum m`` are exact, and the loss is affine in ``A``, so the loss estimate and its
 gradient are unbiased too.
 
+The forward writes one partial sum of ``A_hat`` per row block, and the last program
+of each (batch, sample) to finish reduces them to the loss (``_loss.py``), so the
+forward is one launch.
+
 Backward, per listed pair (i, j): ``dA_hat/dx_i += w_i s'(d) (x_i - x_j) / d`` and the
 opposite term goes to ``x_j``. The row term is a register reduction. The column term
 is either an ``atomic_add`` (default) or, for ``deterministic=True``, a second pass
@@ -258,25 +262,36 @@ def neighbor_score_fwd(
     truth: torch.Tensor,
     neighbors: torch.Tensor,
     counts: torch.Tensor,
+    n_valid: torch.Tensor,
     eps: float,
     num_warps: int = SCORE_NUM_WARPS,
-) -> torch.Tensor:
-    """Partial sums of ``A_hat``, ``[B * S, NRB]`` float32.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and dLoss/dA_hat, both ``[B, S]`` float32 (see ``_loss.py``), in one
+    launch: the last program of each (batch, sample) reduces the partial sums.
 
-    ``x [B, S, N, 3]`` contiguous (any float dtype), ``truth [B, N, 3]`` float32.
+    ``x [B, S, N, 3]`` contiguous (any float dtype), ``truth [B, N, 3]`` float32,
+    ``neighbors [B, N, K]`` and ``counts [B, N]`` int32, ``n_valid [B]`` int32 atoms
+    in the mask.
     """
     b, s, n, _ = x.shape
     k = neighbors.shape[-1]
     nrb = -(-n // SCORE_BLOCK_ROWS)
-    a_part = torch.empty((b * s, nrb), device=x.device, dtype=torch.float32)
+    dev = x.device
+    a_part = torch.empty((b * s, nrb), device=dev, dtype=torch.float32)
+    arrived = torch.zeros((b * s,), device=dev, dtype=torch.int32)
+    loss = torch.empty((b, s), device=dev, dtype=torch.float32)
+    dloss = torch.empty((b, s), device=dev, dtype=torch.float32)
     _neighbor_rows_kernel[(nrb, b * s)](
         x,
         truth,
         neighbors,
         counts,
+        n_valid,
         a_part,
+        arrived,
+        loss,
         a_part,
-        a_part,
+        dloss,
         a_part,
         n,
         s,
@@ -290,7 +305,7 @@ def neighbor_score_fwd(
         MODE=MODE_LOSS,
         num_warps=num_warps,
     )
-    return a_part
+    return loss, dloss
 
 
 def neighbor_score_bwd(
@@ -326,6 +341,9 @@ def neighbor_score_bwd(
         x,
         truth,
         neighbors,
+        counts,
+        counts,
+        grad,
         counts,
         grad,
         grad,

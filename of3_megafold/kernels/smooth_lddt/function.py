@@ -67,7 +67,10 @@ class SmoothLDDTFusedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        grad_x = (grad * grad_loss[..., None, None].float()).to(ctx.x_dtype)
+        # grad_loss is [B, S] float32 (autograd casts it to the output's dtype).
+        grad_x = grad * grad_loss.view(*grad_loss.shape, 1, 1)
+        if grad_x.dtype != ctx.x_dtype:
+            grad_x = grad_x.to(ctx.x_dtype)
         return grad_x, None, None, None, None, None, None
 
 
@@ -121,7 +124,7 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
         neighbors,
     ):
         truth, nuc, mask = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
-        b, s, n, _ = x.shape
+        b, _, n, _ = x.shape
         if neighbors is not None:
             nbr, counts = neighbors
             if nbr.dim() != 3 or tuple(nbr.shape[:2]) != (b, n):
@@ -142,8 +145,7 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
             x = x.contiguous()
             t32 = truth if truth.dtype == torch.float32 else truth.float()
             t32 = t32.contiguous()
-            a_part = neighbor_score_fwd(x, t32, nbr, counts, eps)
-            loss, dloss_da = lddt_loss_from_sums(a_part, counts, n_valid, s, eps)
+            loss, dloss_da = neighbor_score_fwd(x, t32, nbr, counts, n_valid, eps)
             if ctx.needs_input_grad[0]:
                 saved = [x, t32, nbr, counts, dloss_da]
                 if deterministic:
