@@ -43,17 +43,9 @@ run() {  # run <step> <seconds> <command...>
     tail -n 25 "$OUT/$step.log"
 }
 
-of3_test_stubs() {  # importable stand-ins for OF3's S3 client packages, if missing
-    local stubs=/tmp/of3mf-stubs
-    python3 -c "import boto3, botocore, awscrt, func_timeout" 2>/dev/null && return
-    mkdir -p "$stubs/boto3" "$stubs/botocore" "$stubs/awscrt" "$stubs/func_timeout"
-    printf 'class FunctionTimedOut(Exception):\n    pass\n\n\ndef func_timeout(timeout, func, args=(), kwargs=None):\n    return func(*args, **(kwargs or {}))\n' \
-        >"$stubs/func_timeout/__init__.py"
-    touch "$stubs/boto3/__init__.py" "$stubs/awscrt/__init__.py" "$stubs/awscrt/checksums.py"
-    echo "UNSIGNED = object()" >"$stubs/botocore/__init__.py"
-    printf 'class Config:\n    def __init__(self, *args, **kwargs):\n        pass\n' \
-        >"$stubs/botocore/config.py"
-    export PYTHONPATH="$PYTHONPATH:$stubs"
+of3_test_stubs() {  # import-only stand-ins (scripts/gpu_stubs/) for what OF3's tests import
+    python3 -c "import boto3, botocore.paginate, awscrt, func_timeout" 2>/dev/null ||
+        export PYTHONPATH="$PYTHONPATH:$PWD/scripts/gpu_stubs"
     mkdir -p "$(python3 -c 'import openfold3, os; print(os.path.dirname(openfold3.__file__))')/tests/test_data"
 }
 

@@ -1,0 +1,3 @@
+"""Import-only stand-in (see ../README.md)."""
+
+UNSIGNED = object()

@@ -1,0 +1,5 @@
+"""Import-only stand-in (see ../README.md)."""
+
+
+class PageIterator:
+    pass
