@@ -44,7 +44,7 @@ run() {  # run <step> <seconds> <command...>
 }
 
 of3_test_stubs() {  # import-only stand-ins (scripts/gpu_stubs/) for what OF3's tests import
-    python3 -c "import boto3, botocore.paginate, awscrt, func_timeout" 2>/dev/null ||
+    python3 -c "import boto3, botocore.paginate, awscrt, func_timeout, kalign" 2>/dev/null ||
         export PYTHONPATH="$PYTHONPATH:$PWD/scripts/gpu_stubs"
     mkdir -p "$(python3 -c 'import openfold3, os; print(os.path.dirname(openfold3.__file__))')/tests/test_data"
 }

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Partial sums one program reduces per step.
-LOSS_BLOCK = 1024
+# Partial sums one program reduces per step (a constexpr: kernels read it as a global).
+LOSS_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
@@ -106,6 +106,6 @@ def lddt_loss_from_sums(
         s,
         a_part.numel() // bs,
         eps,
-        BLOCK=LOSS_BLOCK,
+        BLOCK=LOSS_BLOCK.value,
     )
     return loss, dloss
