@@ -102,6 +102,15 @@ def checks() -> None:
             ref = ref.detach()
             tag = f"N={n} {str(dtype).removeprefix('torch.'):8}"
             lt, gt = (1e-5, 1e-4) if dtype == torch.float32 else (5e-3, 5e-2)
+            # The 2x-torch rule: OF3's dense loss in the input dtype misses the fp64
+            # gradient too where a pair sits on an inclusion cutoff (a 15 A / 30 A
+            # comparison that fp32 and fp64 decide differently); allow twice that.
+            _, torch_grad = loss_and_grad(
+                smooth_lddt_reference, x.float(), w, truth.float(), nuc, mask
+            )
+            torch_err = rel(torch_grad, ref_grad)
+            print(f"     N={n} OF3 dense fp32 grad error vs fp64: {torch_err:.1e}")
+            gt = max(gt, 2 * torch_err)
 
             loss, grad = loss_and_grad(smooth_lddt_fused, x, w, truth, nuc, mask)
             el, eg = rel(loss, ref), rel(grad, ref_grad)

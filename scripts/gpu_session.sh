@@ -72,7 +72,7 @@ for spec in "$@"; do
         # wheel has no tests/test_data: empty stand-ins; the CUDA tests need neither)
         of3-tests) of3_test_stubs
                    run of3-tests "${limit:-300}" python3 -m of3_megafold.cli test-of3 \
-                       --extensions all --subset ci test_of3_model.py -q -rfs -p no:warnings ;;
+                       --extensions all --subset ci test_of3_model.py -q -rfs -p no:warnings --continue-on-collection-errors ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         host) run host "${limit:-240}" python3 scripts/gpu_profile_kernels.py "$OUT/host.txt" --host ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
