@@ -29,7 +29,7 @@ import torch
 
 from of3_megafold import registry
 from of3_megafold.errors import KitConfigError
-from of3_megafold.kernels.backend import triton_backend
+from of3_megafold.kernels.backend import runs_on, triton_backend
 
 NAME = "evoflash_attention"
 FLAG = "use_evoflash_attention"
@@ -146,7 +146,11 @@ def _patch_attention_forward(original):
     def forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs)
         q_x, kv_x = call.arguments["q_x"], call.arguments["kv_x"]
-        if not _enabled(self) or q_x.shape[-2] != kv_x.shape[-2]:
+        if (
+            not _enabled(self)
+            or q_x.shape[-2] != kv_x.shape[-2]
+            or not runs_on(q_x)  # CPU tensors on a GPU machine: OF3's path
+        ):
             return original(self, *args, **kwargs)
         high_precision = bool(call.arguments.get("use_high_precision", False))
         biases = call.arguments.get("biases") or []

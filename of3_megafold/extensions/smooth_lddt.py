@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from of3_megafold import registry
-from of3_megafold.kernels.backend import triton_backend
+from of3_megafold.kernels.backend import runs_on, triton_backend
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,8 @@ def kit_smooth_lddt_loss(x, batch: dict, loss_token_mask, eps: float, settings=N
 def _patch_smooth_lddt_loss(original):
     def smooth_lddt_loss(x, batch, loss_token_mask, eps):
         settings = _settings()
-        if settings.backend == "dense":
+        # CPU tensors on a GPU machine (no interpreter): OF3's dense function.
+        if settings.backend == "dense" or not runs_on(x):
             return original(x=x, batch=batch, loss_token_mask=loss_token_mask, eps=eps)
         return kit_smooth_lddt_loss(x, batch, loss_token_mask, eps, settings)
 
@@ -187,7 +188,7 @@ def _patch_run_low_mem_loss_fn(original):
 
         is_smooth_lddt = loss_fn is diffusion.smooth_lddt_loss
         backend = _settings().backend
-        if is_smooth_lddt and backend != "dense":
+        if is_smooth_lddt and backend != "dense" and runs_on(x):
             _log_chunk_bypass(backend, chunk_size)
             return loss_fn(x=x, **kwargs)
         return original(loss_fn, x, kwargs, chunk_size)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_CAPABILITY = (8, 0)
 
@@ -17,6 +21,13 @@ MIN_CAPABILITY = (8, 0)
 def interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the kernels can take ``t``: a CUDA tensor, or a CPU tensor under the
+    interpreter. On a GPU machine without the interpreter, CPU tensors cannot (OF3's
+    CPU tests and CPU inference run there too): callers fall back to OF3's path."""
+    return t.is_cuda or (interpreter_enabled() and t.device.type == "cpu")
 
 
 def triton_backend() -> tuple[bool, str]:

@@ -153,3 +153,24 @@ def test_clash_with_of3_kernel_flags_is_rejected(kit):
     custom["settings"]["memory"]["eval"]["use_triton_triangle_kernels"] = False
     config = OF3ProjectEntry().get_model_config_with_update(ModelUpdate(custom=custom))
     assert config.settings.memory.eval.use_evoflash_attention is True
+
+
+def test_cpu_tensors_take_ofs_path_without_the_interpreter(kit, monkeypatch):
+    """On a GPU machine without the interpreter the kernels cannot take CPU tensors
+    (OF3's CPU tests run there too): the forced extension must run OF3's own path."""
+    from openfold3.core.model.layers.triangular_attention import TriangleAttention
+
+    from of3_megafold.extensions import evoflash_attention
+
+    module = _randomize(TriangleAttention(c_in=8, c_hidden=8, no_heads=2), 5)
+    x = torch.randn(1, 6, 6, 8)
+    mask = (torch.rand(1, 6, 6) > 0.2).float()
+    expected = module(x=x, mask=mask)
+    _force()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def kernel_called(*args, **kwargs):
+        raise AssertionError("the kernel path ran on CPU tensors")
+
+    monkeypatch.setattr(evoflash_attention, "evoflash_forward", kernel_called)
+    assert torch.equal(module(x=x, mask=mask), expected)

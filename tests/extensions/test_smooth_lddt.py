@@ -114,3 +114,27 @@ def test_deactivate_restores_ofs_functions():
     assert not hasattr(diffusion.smooth_lddt_loss, "__wrapped__")
     assert not hasattr(loss_module.diffusion_loss, "__wrapped__")
     activate()
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_cpu_tensors_take_dense_path_without_the_interpreter(
+    kit, monkeypatch, chunk_size
+):
+    """On a GPU machine without the interpreter the kernels cannot take CPU tensors
+    (OF3's CPU tests run there too): a kit backend falls back to OF3's dense loss,
+    chunking included."""
+    from of3_megafold.extensions import smooth_lddt
+
+    batch, x = _batch_and_x()
+    x32 = x.detach().float().requires_grad_(True)
+    dense = _loss(batch, x32, _diffusion_cfg(chunk_size=chunk_size))
+    cfg = _diffusion_cfg("fused", chunk_size)  # checked while the kernels can run
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def kernel_called(*args, **kwargs):
+        raise AssertionError("a kernel backend ran on CPU tensors")
+
+    monkeypatch.setattr(smooth_lddt, "kit_smooth_lddt_loss", kernel_called)
+    fallback = _loss(batch, x32, cfg)
+    for got, want in zip(fallback, dense, strict=True):
+        assert torch.equal(got, want)

@@ -354,7 +354,7 @@ def test_matches_of3_conditioned_transition(device):
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
-# --- GPU-only: production shapes, the fast-sigmoid path, tf32 off ----------------
+# --- GPU-only: production shapes, the fast-sigmoid path, fp32 on IEEE dots ---------
 
 
 @pytest.mark.gpu
@@ -370,15 +370,25 @@ def test_gpu_production_shapes(shape, c, n, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_stays_ieee_without_tf32():
-    x, params, mask = make_inputs((2048,), 128, 4, torch.float32, "cuda")
+@pytest.mark.parametrize("allow_tf32", [False, True])
+@pytest.mark.parametrize("c", [128, 32])
+def test_gpu_fp32_stays_ieee(c, allow_tf32):
+    """fp32 runs IEEE dots even with TF32 allowed globally: forward and backward.
+    c = 32 with TF32 allowed is the case Triton 3.6 failed to compile on an H200."""
+    x, params, mask = make_inputs((2048,), c, 4, torch.float32, "cuda")
     allow = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
+        for t in (x, *params.values()):
+            t.requires_grad_(True)
         y = swiglu_transition(x, *params.values(), mask=mask)
+        y.sum().backward()  # the weight-gradient kernel is the one that failed
+        y = y.detach()
         y_r = swiglu_transition_reference(
-            x.double(), *(p.double() for p in params.values()), mask=mask.double()
-        )
+            x.double(),
+            *(p.detach().double() for p in params.values()),
+            mask=mask.double(),
+        ).detach()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow
     # TF32 (10-bit mantissa) would miss this by orders of magnitude.

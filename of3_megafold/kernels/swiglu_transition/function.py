@@ -20,7 +20,7 @@ import logging
 import torch
 import triton
 
-from of3_megafold.kernels.backend import interpreter_enabled
+from of3_megafold.kernels.backend import interpreter_enabled, runs_on
 from of3_megafold.kernels.swiglu_transition._bwd import (
     BWD_INPUT_CONFIGS,
     BWD_INPUT_PRUNE,
@@ -64,8 +64,10 @@ def _kernel_flags(compute_dtype: torch.dtype) -> dict:
     """Precision flags shared by the three kernels."""
     interpret = interpreter_enabled()
     if compute_dtype == torch.float32:
-        # TF32 drifts diffusion roll-outs (~1 A): only when the user allowed it.
-        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        # IEEE fp32 dots, also when TF32 is enabled globally: TF32 drifts diffusion
+        # roll-outs (~1 A), and Triton 3.6 failed to compile the TF32 weight-gradient
+        # kernel on an H200 (c=32, OF3's test_of3_model with the extension forced).
+        precision = "ieee"
     else:
         precision = "ieee" if interpret else None
     return {
@@ -322,7 +324,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _fused_ok(x: torch.Tensor, compute_dtype: torch.dtype) -> tuple[bool, str]:
-    if not (x.is_cuda or (interpreter_enabled() and x.device.type == "cpu")):
+    if not runs_on(x):
         return False, f"tensor on {x.device} and the Triton interpreter is off"
     if x.dtype not in _FUSED_DTYPES or compute_dtype not in _FUSED_DTYPES:
         return False, f"dtype {x.dtype} / compute dtype {compute_dtype}"
@@ -381,8 +383,8 @@ def swiglu_transition(
         ``torch.autocast`` (OF3's ``Linear`` runs in the autocast dtype there too).
         LayerNorm statistics and all matmul accumulation are fp32; as in OF3 the
         normalised rows and ``silu(a) * b`` are rounded to the compute dtype before
-        their matmuls. fp32 matmuls use IEEE fp32 unless
-        ``torch.backends.cuda.matmul.allow_tf32`` is set.
+        their matmuls. fp32 matmuls use IEEE fp32, whatever
+        ``torch.backends.cuda.matmul.allow_tf32`` says.
 
     Falls back to :func:`swiglu_transition_reference` (OF3's eager math, same
     numerics) for ``c > 128``, other dtypes, or a CPU tensor without the Triton
