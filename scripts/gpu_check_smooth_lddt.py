@@ -155,7 +155,10 @@ def checks() -> None:
             )
             report(torch.equal(again[1], results[True][1]), f"{tag} ball det bitwise")
             diff = rel(results[False][1], results[True][1])
-            report(diff <= 1e-5, f"{tag} ball atomic vs det grad {diff:.1e}")
+            # The gradient comes back in x's dtype: in bf16 a different atomic order
+            # may flip a rounding, one bf16 ulp (2**-8 relative) of an element.
+            tol = 1e-5 if dtype == torch.float32 else 2**-8
+            report(diff <= tol, f"{tag} ball atomic vs det grad {diff:.1e}")
 
     x, truth, nuc, mask = mixed_structure(UNBIASED_SIZE, torch.float32, seed=4)
     x = x[:, :1]
