@@ -1,7 +1,8 @@
 """Where a full-model training step spends its time, per kit extension, on one GPU.
 
     python scripts/gpu_profile_step.py OUT.txt [--tokens 384,768] [--repeats 2]
-        [--provider kit] [--variants kit,stock,...] [--no-profile]
+        [--provider kit] [--variants kit,kit-smooth_lddt,stock,...]
+        [--num-recycles 1] [--no-profile]
 
 Builds the full OF3 model once (the step harness of :mod:`of3_megafold.bench.step`,
 provider ``--provider``), and at each token count runs one warm-up step per variant
@@ -10,7 +11,7 @@ interleaved, toggling the runner-YAML flags on the live config between steps (OF
 and the kit read them at call time):
 
 - ``kit``: every extension on; ``<extension>``: that one alone;
-- ``kit - <extension>``: one extension switched back to stock;
+- ``kit - <extension>`` (or ``kit-<extension>``): one extension switched back to stock;
 - ``stock``: every extension off; ``stock-triton``: OF3's own Triton kernels on.
 
 Then (unless ``--no-profile``) profiles one step of ``kit`` and one of
@@ -95,12 +96,23 @@ def main() -> int:
         help=f"comma-separated, from: {', '.join(VARIANTS)}",
     )
     parser.add_argument(
+        "--num-recycles",
+        type=int,
+        default=None,
+        help="fixed recycle count (default: OF3's seeded draw, 3 at 384 and 768)",
+    )
+    parser.add_argument(
         "--no-profile",
         action="store_true",
         help="skip the kernel tables and autotuning choices",
     )
     args = parser.parse_args()
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    # "kit-<extension>" is accepted for "kit - <extension>" (no spaces: shell-friendly).
+    variants = [
+        f"kit - {v.strip()[4:]}" if v.strip()[4:] in FLAGS else v.strip()
+        for v in args.variants.split(",")
+        if v.strip()
+    ]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}")
@@ -118,7 +130,9 @@ def main() -> int:
         args.out.write_text("\n".join(lines) + "\n")
 
     started = time.perf_counter()
-    harness = TrainingStepHarness("full", args.provider, "cuda")
+    harness = TrainingStepHarness(
+        "full", args.provider, "cuda", num_recycles=args.num_recycles
+    )
     say(f"model built for {args.provider} in {time.perf_counter() - started:.0f} s")
     for n_token in (int(t) for t in args.tokens.split(",")):
         batch = random_training_batch(n_token, 1024, 4, "cuda")
