@@ -1,4 +1,5 @@
-"""`of3-megafold`: OF3's own commands with the kit active, plus `info` and `bench`.
+"""`of3-megafold`: OF3's own commands with the kit active, plus `info`, `bench`,
+`precompute` and `test-of3`.
 
 ``train`` and ``predict`` take the same options as ``run_openfold train|predict``;
 they call :func:`of3_megafold.activate` first, so the kit's keys in
