@@ -152,8 +152,14 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
             demo = _load_runner_yaml(DEFAULT_RUNNER_YAML, None, None)
             demo = _overlaid(demo, overlays)
             demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
+        if use_tf32:
+            from openfold3.run_openfold import _enable_tf32
+
+            _enable_tf32()
         with _user_errors():
-            run_demo_training(demo_yaml, output_dir, steps=steps, seed=seed)
+            run_demo_training(
+                demo_yaml, output_dir, steps=steps, seed=seed, data_seed=data_seed
+            )
         return
 
     from openfold3.entry_points.experiment_runner import TrainingExperimentRunner

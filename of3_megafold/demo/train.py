@@ -283,6 +283,7 @@ def resolve_runner_yaml(
     steps: int | None = None,
     accelerator: str = "auto",
     seed: int | None = None,
+    data_seed: int | None = None,
 ) -> dict[str, Any]:
     """Read a runner YAML and fill in what the demo decides at run time.
 
@@ -297,7 +298,9 @@ def resolve_runner_yaml(
         output_dir: where the run writes.
         steps: optimizer steps; None keeps the YAML's.
         accelerator: ``auto``, ``cpu`` or ``gpu``.
-        seed: overrides ``experiment_settings.seed`` (and the data seed).
+        seed: overrides ``experiment_settings.seed`` (and the data seed, unless
+            ``data_seed`` is given).
+        data_seed: overrides ``data_module_args.data_seed``.
 
     Returns:
         The runner dict, ready for OF3's ``TrainingExperimentConfig``.
@@ -338,6 +341,8 @@ def resolve_runner_yaml(
     if seed is not None:
         runner.setdefault("experiment_settings", {})["seed"] = seed
         runner.setdefault("data_module_args", {})["data_seed"] = seed
+    if data_seed is not None:
+        runner.setdefault("data_module_args", {})["data_seed"] = data_seed
     return runner
 
 
@@ -383,6 +388,7 @@ def run_demo_training(
     accelerator: str = "auto",
     *,
     seed: int | None = None,
+    data_seed: int | None = None,
     dataset_dir: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -400,6 +406,7 @@ def run_demo_training(
         accelerator: ``auto`` (GPU with bf16-mixed if present, else CPU with
             32-true), ``cpu`` or ``gpu``.
         seed: model and data seed; None keeps the YAML's.
+        data_seed: data seed, when it should differ from ``seed``.
         dataset_dir: a built demo set; None builds or reuses the cached one
             (:func:`ensure_demo_dataset`).
         progress: progress bars for the build and the training steps.
@@ -428,6 +435,7 @@ def run_demo_training(
         steps=steps,
         accelerator=accelerator,
         seed=seed,
+        data_seed=data_seed,
     )
     resolved_yaml = output_dir / RESOLVED_YAML_NAME
     resolved_yaml.write_text(yaml.safe_dump(runner_dict, sort_keys=False))

@@ -135,3 +135,11 @@ def test_a_run_with_losses_switched_off_fails_the_check(
     assert result["steps"] == 1
     assert result["loss_problems"]
     assert result["final_losses"] == {"loss": 0.0}
+
+
+def test_data_seed_overrides_the_seed_for_the_data(demo_dataset, tmp_path):
+    runner = resolve_runner_yaml(
+        None, demo_dataset, tmp_path, accelerator="cpu", seed=7, data_seed=11
+    )
+    assert runner["experiment_settings"]["seed"] == 7
+    assert runner["data_module_args"]["data_seed"] == 11
