@@ -12,6 +12,10 @@ tuning key (benchmarking, on-disk cache, compilation all happen there) and remem
 the configuration it chose; later launches with that key go straight to the JIT
 function's ``run`` with the chosen configuration and the heuristics' values, which is
 what the autotuner itself ends up calling.
+
+A kernel may also come with shipped choices (``presets``: the fastest configuration
+per tuning key, measured on a GPU model beforehand): a key found there is launched
+with that configuration on its first launch too, without benchmarking.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from triton import Config
 from triton.runtime.autotuner import Autotuner, Heuristics
 
 
@@ -32,12 +37,21 @@ class TunedKernel:
             ``heuristics(jit)`` or a bare JIT function.
         fixed: meta-parameters (e.g. block sizes) for a kernel that is not autotuned:
             under the Triton interpreter, where nothing is tuned.
+        presets: called once, at the first launch of an autotuned kernel: returns
+            ``{tuning key: {"kwargs", "num_warps", "num_stages"}}``, keys with dtypes
+            as strings (as Triton writes them). An entry that names none of the
+            autotuner's configurations is ignored.
 
     The tuning key is what the autotuner uses: its key arguments' values and the
     dtypes of all tensor arguments. Launch with keyword arguments only.
     """
 
-    def __init__(self, kernel: Any, fixed: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        kernel: Any,
+        fixed: Mapping[str, Any] | None = None,
+        presets: Callable[[], Mapping[tuple, Mapping[str, Any]]] | None = None,
+    ):
         self._entry = kernel
         self._tuner = kernel if isinstance(kernel, Autotuner) else None
         self._key_names = tuple(self._tuner.keys) if self._tuner else ()
@@ -52,6 +66,9 @@ class TunedKernel:
         self._fixed = dict(fixed or {})
         # tuning key -> (the config's meta-parameters, every launch option)
         self._chosen: dict[tuple, tuple[dict, dict]] = {}
+        self._load_presets = presets
+        self._presets: Mapping[tuple, Mapping[str, Any]] | None = None
+        self.preset_keys: list[tuple] = []  # keys launched from presets, untuned
 
     @property
     def autotuner(self) -> Autotuner | None:
@@ -87,7 +104,34 @@ class TunedKernel:
             self._entry[grid](**kwargs, **self._fixed)
             self._chosen[key] = (self._fixed, self._fixed)
             return
+        config = self._preset(key)
+        if config is not None:
+            self._chosen[key] = (dict(config.kwargs), config.all_kwargs())
+            self.preset_keys.append(key)
+            self._launch(grid, kwargs)
+            return
         self._entry[grid](**kwargs)
         config = self._tuner.best_config
         if config.pre_hook is None:
             self._chosen[key] = (dict(config.kwargs), config.all_kwargs())
+
+    def _preset(self, key: tuple) -> Config | None:
+        """The autotuner's configuration the presets name for ``key``, if any."""
+        if self._load_presets is None:
+            return None
+        if self._presets is None:
+            self._presets = self._load_presets()
+        entry = self._presets.get(
+            tuple(str(k) if isinstance(k, torch.dtype) else k for k in key)
+        )
+        if entry is None:
+            return None
+        for config in self._tuner.configs:
+            if (
+                config.kwargs == entry["kwargs"]
+                and config.num_warps == entry["num_warps"]
+                and config.num_stages == entry["num_stages"]
+                and config.pre_hook is None
+            ):
+                return config
+        return None

@@ -71,3 +71,73 @@ def test_launches_match_and_reuse_the_choice(autotuned, monkeypatch):
     monkeypatch.setattr(type(kernel._entry), "run", no_wrappers)
     for x in inputs:  # later launches: the JIT function, heuristics applied here
         torch.testing.assert_close(_run(kernel, x, -0.5), _expected(x, -0.5))
+
+
+def _preset(block: int) -> dict:
+    return {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_stages": 3}
+
+
+def test_presets_choose_without_tuning():
+    """A key the presets list is launched with their configuration, not tuned: two
+    candidates and no GPU, so benchmarking them would fail here."""
+    from of3_megafold.kernels._launch import TunedKernel
+
+    heuristic, _ = _kernels()
+    configs = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=3) for b in (16, 32)]
+    tuned = triton.autotune(configs=configs, key=["n"])(heuristic)
+    loads = []
+
+    def presets():
+        loads.append(1)
+        return {(32, "torch.float32", "torch.float32"): _preset(32)}
+
+    kernel = TunedKernel(tuned, presets=presets)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(32, device=device)
+    for _ in range(2):
+        torch.testing.assert_close(_run(kernel, x, 3.0), _expected(x, 3.0))
+    assert kernel.preset_keys == [(32, torch.float32, torch.float32)]
+    assert kernel._chosen[kernel.preset_keys[0]][0] == {"BLOCK": 32}
+    assert len(loads) == 1
+
+
+def test_presets_naming_an_unknown_config_are_ignored():
+    from of3_megafold.kernels._launch import TunedKernel
+
+    heuristic, tuned = _kernels()  # one candidate: BLOCK 16, 4 warps, 3 stages
+    kernel = TunedKernel(
+        tuned, presets=lambda: {(32, "torch.float32", "torch.float32"): _preset(64)}
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(32, device=device)
+    torch.testing.assert_close(_run(kernel, x, 3.0), _expected(x, 3.0))
+    assert kernel.preset_keys == []
+    assert kernel._chosen[(32, torch.float32, torch.float32)][0] == {"BLOCK": 16}
+
+
+def test_shipped_evoflash_choices_name_current_candidates():
+    """Every shipped choice is one of its kernel's candidate configurations (a
+    stale entry would be ignored silently, and that GPU would tune again)."""
+    import json
+
+    from of3_megafold.kernels.evoflash import configs
+    from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path
+
+    candidates = {
+        "_evoflash_fwd_kernel": configs.FWD_CONFIGS + configs.FWD_CONFIGS_FP32,
+        "_evoflash_bwd_dq_kernel": configs.DQ_CONFIGS + configs.DQ_CONFIGS_FP32,
+        "_evoflash_bwd_dkdv_kernel": configs.DKDV_CONFIGS + configs.DKDV_CONFIGS_FP32,
+        "_evoflash_bwd_dbias_kernel": configs.DBIAS_CONFIGS
+        + configs.DBIAS_CONFIGS_FP32,
+    }
+    table = json.loads(tuned_path("NVIDIA H200").read_text())
+    assert set(table["kernels"]) == set(KERNELS)
+    for kernel, entries in table["kernels"].items():
+        assert entries, kernel
+        for entry in entries:
+            assert any(
+                c.kwargs == entry["kwargs"]
+                and c.num_warps == entry["num_warps"]
+                and c.num_stages == entry["num_stages"]
+                for c in candidates[kernel]
+            ), (kernel, entry)

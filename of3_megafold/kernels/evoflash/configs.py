@@ -8,8 +8,10 @@ pairing two S slices per program (``S_GROUP``, which halves the pair-bias traffi
 
 The autotuning key is (head-dim block, heads, dtypes, bucketed N, bucketed S, flags),
 so a training run tunes once per crop-size bucket, not once per crop size; with
-``cache_results`` the choice is also kept on disk across runs. Under the Triton
-interpreter nothing is tuned: one small fixed configuration runs.
+``cache_results`` the choice is also kept on disk across runs, and the choices
+measured on a GPU model ship with the kit (``tuned/``: no tuning there for the keys
+they list). Under the Triton interpreter nothing is tuned: one small fixed
+configuration runs.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .._launch import TunedKernel
-from . import configs
+from . import configs, tuned
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
     _evoflash_bwd_dkdv_kernel,
@@ -35,7 +35,9 @@ _KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "PRECISION"]
 def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None) -> TunedKernel:
     """The kernel with its heuristics, autotuned over ``tuned_configs`` on ``key``
     (under the interpreter: the fixed ``configs.INTERPRETER_CONFIGS[name]``),
-    launched through :class:`TunedKernel`."""
+    launched through :class:`TunedKernel` with the shipped choices for this GPU
+    (:mod:`.tuned`)."""
+    presets = functools.partial(tuned.tuned_configs, kernel.fn.__name__)
     kernel = triton.heuristics(_HEURISTICS)(kernel)
     if configs.INTERPRET:
         return TunedKernel(kernel, fixed=configs.INTERPRETER_CONFIGS[name])
@@ -46,9 +48,10 @@ def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None) -> Tuned
         "reset_to_zero": reset_to_zero,
     }
     try:
-        return TunedKernel(triton.autotune(cache_results=True, **options)(kernel))
+        autotuned = triton.autotune(cache_results=True, **options)(kernel)
     except TypeError:  # a Triton without the on-disk autotuning cache
-        return TunedKernel(triton.autotune(**options)(kernel))
+        autotuned = triton.autotune(**options)(kernel)
+    return TunedKernel(autotuned, presets=presets)
 
 
 _fwd = _tunable(_evoflash_fwd_kernel, "fwd",

@@ -1,0 +1,57 @@
+"""Shipped autotuning choices of the EvoFlash kernels, per GPU model.
+
+``<gpu>.json`` (written by ``scripts/ship_autotune.py`` from a GPU session's Triton
+autotuning results) lists, per kernel and tuning key, the configuration that was
+fastest on that GPU. On a GPU of that name, :class:`~of3_megafold.kernels._launch.
+TunedKernel` launches a listed key with its configuration instead of benchmarking
+every candidate (a few minutes on the first training step of a fresh machine). A
+listed configuration that is not among the kernel's current candidates is ignored,
+and a key that is not listed is tuned as usual. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
+turns the table off (tune everything).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+KERNELS = (
+    "_evoflash_fwd_kernel",
+    "_evoflash_bwd_dq_kernel",
+    "_evoflash_bwd_dkdv_kernel",
+    "_evoflash_bwd_dbias_kernel",
+)
+
+
+def tuned_path(gpu: str) -> Path:
+    """Where the table of GPU model ``gpu`` (e.g. ``NVIDIA H200``) lives."""
+    return Path(__file__).with_name(re.sub(r"[^A-Za-z0-9]+", "_", gpu) + ".json")
+
+
+@functools.cache
+def _table(gpu: str) -> dict[str, Any]:
+    path = tuned_path(gpu)
+    return json.loads(path.read_text()) if path.exists() else {"kernels": {}}
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def tuned_configs(kernel: str) -> dict[tuple, dict]:
+    """``tuning key -> {"kwargs", "num_warps", "num_stages"}`` for ``kernel`` on the
+    current CUDA device; empty without CUDA, without a table for this GPU, or with
+    ``OF3_MEGAFOLD_TUNED_CONFIGS=0``. Keys are Triton's: key-argument values, then
+    the tensor arguments' dtypes as strings (``"torch.bfloat16"``)."""
+    if os.environ.get("OF3_MEGAFOLD_TUNED_CONFIGS", "1") == "0":
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    entries = _table(torch.cuda.get_device_name()).get("kernels", {}).get(kernel, [])
+    return {tuple(_hashable(k) for k in e["key"]): e for e in entries}

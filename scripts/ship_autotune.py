@@ -1,0 +1,74 @@
+"""Turn Triton's on-disk autotuning results into the kit's shipped choices.
+
+    python scripts/ship_autotune.py DIR [--gpu "NVIDIA H200"]
+
+``DIR`` holds ``*.autotune.json`` files from Triton's cache (``cache_results``), e.g.
+the ``triton-autotune.tgz`` that ``scripts/gpu_session.sh`` sends back, unpacked. For
+every EvoFlash kernel and tuning key it keeps the configuration with the lowest median
+time (over all files: several machines may have tuned the same key) and writes
+``of3_megafold/kernels/evoflash/tuned/<gpu>.json``, which
+:class:`of3_megafold.kernels._launch.TunedKernel` uses instead of tuning that key again
+on a GPU of that name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path  # noqa: E402
+
+
+def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
+    """kernel -> tuning key -> (best median ms, config)."""
+    best: dict[str, dict[tuple, tuple[float, dict]]] = {name: {} for name in KERNELS}
+    for path in sorted(directory.rglob("*.autotune.json")):
+        kernel = path.name.removesuffix(".autotune.json")
+        if kernel not in best:
+            continue
+        data = json.loads(path.read_text())
+        key = tuple(data["key"])
+        for config, timings in data["configs_timings"]:
+            median = timings[0] if isinstance(timings, list) else timings
+            entry = {
+                "kwargs": config["kwargs"],
+                "num_warps": config["num_warps"],
+                "num_stages": config["num_stages"],
+            }
+            if key not in best[kernel] or median < best[kernel][key][0]:
+                best[kernel][key] = (median, entry)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--gpu", default="NVIDIA H200")
+    parser.add_argument("--source", default="", help="where the timings came from")
+    args = parser.parse_args()
+    best = collect(args.directory)
+    table = {
+        "gpu": args.gpu,
+        "source": args.source,
+        "kernels": {
+            kernel: [
+                {"key": list(key), "ms": round(ms, 4), **entry}
+                for key, (ms, entry) in sorted(keys.items(), key=lambda kv: str(kv[0]))
+            ]
+            for kernel, keys in best.items()
+        },
+    }
+    out = tuned_path(args.gpu)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    counts = ", ".join(f"{k} {len(v)}" for k, v in best.items())
+    print(f"wrote {out} ({counts} keys)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
