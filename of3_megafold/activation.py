@@ -66,6 +66,16 @@ def _missing_dependency(err: ModuleNotFoundError) -> bool:
     return (err.name or "openfold3").split(".")[0] != "openfold3"
 
 
+def _data_pipeline_unimportable(err: ImportError) -> bool:
+    """OF3's data pipeline does not import here: a package it needs is missing, or a
+    module of it is left half-imported by an earlier such failure (Python then
+    reports a circular import inside openfold3). The kit naming a module that does
+    not exist is a bug and not covered."""
+    if isinstance(err, ModuleNotFoundError):
+        return _missing_dependency(err)
+    return (err.name or "").split(".")[0] == "openfold3"
+
+
 def _install_patch(patch: registry.Patch) -> None:
     try:
         owner, attr = _resolve(patch.target)
@@ -203,8 +213,8 @@ def activate(force: Iterable[str] | str = ()) -> None:
 
         try:
             register_datasets()
-        except ModuleNotFoundError as err:
-            if not _missing_dependency(err):
+        except ImportError as err:
+            if not _data_pipeline_unimportable(err):
                 raise
             logger.info(
                 "EvoPipe dataset not registered: OF3's data pipeline does not "

@@ -234,3 +234,51 @@ def test_patch_of_a_missing_openfold3_module_fails():
     finally:
         deactivate()
         registry.unregister("selftest_patch_target")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ModuleNotFoundError("No module named 'kalign'", name="kalign"),
+        ImportError(
+            "cannot import name 'pad_to_world_size' from partially initialized "
+            "module 'openfold3.core.data.framework.single_datasets.dataset_utils'",
+            name="openfold3.core.data.framework.single_datasets.dataset_utils",
+        ),
+    ],
+    ids=["missing-package", "half-imported-openfold3-module"],
+)
+def test_unimportable_data_pipeline_leaves_the_model_extensions_active(
+    monkeypatch, error
+):
+    """Seen on the GPU machine (kalign missing there): OF3's data pipeline does not
+    import, so EvoPipe's dataset is not registered, and activation still succeeds."""
+    from of3_megafold.data import dataset
+
+    def unimportable():
+        raise error
+
+    deactivate()
+    monkeypatch.setattr(dataset, "register", unimportable)
+    try:
+        activate()
+        from of3_megafold.activation import is_active
+
+        assert is_active()
+    finally:
+        deactivate()
+
+
+def test_kit_import_errors_in_dataset_registration_still_fail(monkeypatch):
+    from of3_megafold.data import dataset
+
+    def broken():
+        raise ImportError("cannot import name 'x'", name="of3_megafold.data.x")
+
+    deactivate()
+    monkeypatch.setattr(dataset, "register", broken)
+    try:
+        with pytest.raises(ImportError):
+            activate()
+    finally:
+        deactivate()
