@@ -17,13 +17,17 @@ This module imports neither OpenFold3 nor Triton; extensions declare themselves 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from of3_megafold.errors import ExtensionUnavailableError, KitConfigError
+
+logger = logging.getLogger(__name__)
 
 Check = tuple[bool, str]
 
@@ -252,3 +256,16 @@ def module_enabled(module: Any, name: str, flag: str) -> bool:
     """Whether extension ``name`` runs for ``module``: forced on, or its model's
     ``settings.memory.<mode>.<flag>`` is on."""
     return forced_variant(name) is not None or module_flag(module, flag)
+
+
+@functools.cache
+def log_device_fallback(name: str, device: str) -> None:
+    """Say once per extension and device type that calls with tensors there run
+    OF3's own path: an available extension (a GPU is present) still meets CPU
+    tensors, e.g. in OF3's CPU tests or CPU inference on a GPU machine."""
+    logger.info(
+        "%s: tensors on %s run OF3's own path (the kernels take CUDA tensors, or "
+        "CPU tensors under TRITON_INTERPRET=1)",
+        name,
+        device,
+    )

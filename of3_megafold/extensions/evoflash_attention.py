@@ -146,11 +146,10 @@ def _patch_attention_forward(original):
     def forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs)
         q_x, kv_x = call.arguments["q_x"], call.arguments["kv_x"]
-        if (
-            not _enabled(self)
-            or q_x.shape[-2] != kv_x.shape[-2]
-            or not runs_on(q_x)  # CPU tensors on a GPU machine: OF3's path
-        ):
+        if not _enabled(self) or q_x.shape[-2] != kv_x.shape[-2]:
+            return original(self, *args, **kwargs)
+        if not runs_on(q_x):  # CPU tensors on a GPU machine
+            registry.log_device_fallback(NAME, q_x.device.type)
             return original(self, *args, **kwargs)
         high_precision = bool(call.arguments.get("use_high_precision", False))
         biases = call.arguments.get("biases") or []

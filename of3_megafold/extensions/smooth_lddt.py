@@ -154,7 +154,8 @@ def kit_smooth_lddt_loss(x, batch: dict, loss_token_mask, eps: float, settings=N
 def _patch_smooth_lddt_loss(original):
     def smooth_lddt_loss(x, batch, loss_token_mask, eps):
         settings = _settings()
-        # CPU tensors on a GPU machine (no interpreter): OF3's dense function.
+        if settings.backend != "dense" and not runs_on(x):  # CPU tensors, GPU machine
+            registry.log_device_fallback(NAME, x.device.type)
         if settings.backend == "dense" or not runs_on(x):
             return original(x=x, batch=batch, loss_token_mask=loss_token_mask, eps=eps)
         return kit_smooth_lddt_loss(x, batch, loss_token_mask, eps, settings)
