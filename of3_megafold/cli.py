@@ -144,6 +144,10 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
 
     with _user_errors():
         activate()
+    if use_tf32:
+        from openfold3.run_openfold import _enable_tf32
+
+        _enable_tf32()
     if runner_yaml is None:
         from of3_megafold.demo.train import DEFAULT_RUNNER_YAML, run_demo_training
 
@@ -152,10 +156,6 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
             demo = _load_runner_yaml(DEFAULT_RUNNER_YAML, None, None)
             demo = _overlaid(demo, overlays)
             demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
-        if use_tf32:
-            from openfold3.run_openfold import _enable_tf32
-
-            _enable_tf32()
         with _user_errors():
             run_demo_training(
                 demo_yaml, output_dir, steps=steps, seed=seed, data_seed=data_seed
@@ -164,11 +164,9 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
 
     from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
     from openfold3.entry_points.validator import TrainingExperimentConfig
-    from openfold3.run_openfold import _configure_torch_backend, _enable_tf32
+    from openfold3.run_openfold import _configure_torch_backend
 
     _configure_torch_backend()
-    if use_tf32:
-        _enable_tf32()
     runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
     with _user_errors():
         check_model_update(runner_dict)

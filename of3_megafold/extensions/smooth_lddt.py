@@ -154,11 +154,11 @@ def kit_smooth_lddt_loss(x, batch: dict, loss_token_mask, eps: float, settings=N
 def _patch_smooth_lddt_loss(original):
     def smooth_lddt_loss(x, batch, loss_token_mask, eps):
         settings = _settings()
-        if settings.backend != "dense" and not runs_on(x):  # CPU tensors, GPU machine
-            registry.log_device_fallback(NAME, x.device.type)
-        if settings.backend == "dense" or not runs_on(x):
-            return original(x=x, batch=batch, loss_token_mask=loss_token_mask, eps=eps)
-        return kit_smooth_lddt_loss(x, batch, loss_token_mask, eps, settings)
+        if settings.backend != "dense":
+            if runs_on(x):
+                return kit_smooth_lddt_loss(x, batch, loss_token_mask, eps, settings)
+            registry.log_device_fallback(NAME, x.device.type)  # CPU tensors, GPU box
+        return original(x=x, batch=batch, loss_token_mask=loss_token_mask, eps=eps)
 
     smooth_lddt_loss.__doc__ = original.__doc__
     smooth_lddt_loss.__wrapped__ = original

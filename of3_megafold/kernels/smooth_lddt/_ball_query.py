@@ -240,6 +240,12 @@ def ball_query(
     guard = torch.cuda.device(truth.device) if truth.is_cuda else nullcontext()
     with guard:
         plan = make_plan(
-            truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False, False
+            truth,
+            nuc,
+            mask,
+            SEARCH_BLOCK_ROWS,
+            SEARCH_BLOCK_COLS,
+            symmetric=False,
+            list_tiles=False,
         )
         return ball_query_search(plan, max_neighbors, seed, eps)

@@ -287,8 +287,7 @@ def make_plan(
         raise ValueError("block_rows must be a multiple of block_cols")
     b, n, _ = truth.shape
     dev = truth.device
-    t = truth if truth.dtype == torch.float32 else truth.float()
-    t = t.contiguous()
+    t = truth.float().contiguous()
     nuc = _as_loadable(is_nucleotide)
     valid = _as_loadable(atom_mask)
     nrb = triton.cdiv(n, block_rows)

@@ -68,9 +68,7 @@ class SmoothLDDTFusedFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
         # grad_loss is [B, S] float32 (autograd casts it to the output's dtype).
-        grad_x = grad * grad_loss.view(*grad_loss.shape, 1, 1)
-        if grad_x.dtype != ctx.x_dtype:
-            grad_x = grad_x.to(ctx.x_dtype)
+        grad_x = (grad * grad_loss[..., None, None]).to(ctx.x_dtype)
         return grad_x, None, None, None, None, None, None
 
 
@@ -134,7 +132,13 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
         with _on_device(x):
             if neighbors is None:
                 plan = make_plan(
-                    truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, False, False
+                    truth,
+                    nuc,
+                    mask,
+                    SEARCH_BLOCK_ROWS,
+                    SEARCH_BLOCK_COLS,
+                    symmetric=False,
+                    list_tiles=False,
                 )
                 nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
                 n_valid = plan.n_valid
@@ -143,8 +147,7 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
                 counts = counts.to(torch.int32).contiguous()
                 n_valid = (mask != 0).sum(dim=1, dtype=torch.int32)
             x = x.contiguous()
-            t32 = truth if truth.dtype == torch.float32 else truth.float()
-            t32 = t32.contiguous()
+            t32 = truth.float().contiguous()
             loss, dloss_da = neighbor_score_fwd(x, t32, nbr, counts, n_valid, eps)
             if ctx.needs_input_grad[0]:
                 saved = [x, t32, nbr, counts, dloss_da]
@@ -169,9 +172,7 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
                 ctx.eps,
                 reverse=tuple(reverse) if reverse else None,
             )
-        if grad.dtype != x.dtype:
-            grad = grad.to(x.dtype)
-        return grad, None, None, None, None, None, None, None, None
+        return grad.to(x.dtype), None, None, None, None, None, None, None, None
 
 
 def smooth_lddt_ball_query(

@@ -38,10 +38,6 @@ def _table(gpu: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {"kernels": {}}
 
 
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
-
-
 def tuned_configs(kernel: str) -> dict[tuple, dict]:
     """``tuning key -> {"kwargs", "num_warps", "num_stages"}`` for ``kernel`` on the
     current CUDA device; empty without CUDA, without a table for this GPU, or with
@@ -54,4 +50,4 @@ def tuned_configs(kernel: str) -> dict[tuple, dict]:
     if not torch.cuda.is_available():
         return {}
     entries = _table(torch.cuda.get_device_name()).get("kernels", {}).get(kernel, [])
-    return {tuple(_hashable(k) for k in e["key"]): e for e in entries}
+    return {tuple(e["key"]): e for e in entries}
