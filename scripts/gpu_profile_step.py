@@ -14,10 +14,14 @@ and the kit read them at call time):
 - ``kit - <extension>`` (or ``kit-<extension>``): one extension switched back to stock;
 - ``stock``: every extension off; ``stock-triton``: OF3's own Triton kernels on.
 
-Then (unless ``--no-profile``) profiles one step of ``kit`` and one of
-``stock-triton`` and prints the GPU time per kernel (top 25) and the total, so wall
-time above kernel time (host overhead) shows. Diagnostic only; the benchmark rows
-come from ``bench step``.
+Then (unless ``--no-profile``) profiles one step of every variant and prints the
+GPU time per kernel (top 25) and the total, so wall time above kernel time (host
+overhead) shows. ``--sync-debug`` runs one more step per variant under
+``torch.cuda.set_sync_debug_mode("warn")`` and counts the host-device
+synchronisations by the innermost kit or OF3 source line that caused them: a sync
+stops the host from running ahead of the GPU, so a step that is launch-bound pays
+host time and GPU time one after the other. Diagnostic only; the benchmark rows come
+from ``bench step``.
 """
 
 from __future__ import annotations
@@ -102,6 +106,11 @@ def main() -> int:
         help="fixed recycle count (default: OF3's seeded draw, 3 at 384 and 768)",
     )
     parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="count host-device synchronisations per variant, by source line",
+    )
+    parser.add_argument(
         "--no-profile",
         action="store_true",
         help="skip the kernel tables and autotuning choices",
@@ -158,9 +167,13 @@ def main() -> int:
                 f"s/step ({', '.join(f'{m / 1e3:.2f}' for m in ms[name])}), "
                 f"peak {peak[name]:.1f} GiB"
             )
+        if args.sync_debug:
+            for name in variants:
+                _variant(harness.config, name)
+                _sync_sites(harness, batch, f"{n_token} tokens, {name}", say)
         if args.no_profile:
             continue
-        for name in ("kit", "stock-triton"):
+        for name in variants:
             _variant(harness.config, name)
             harness.step(batch)
             torch.cuda.synchronize()
@@ -172,6 +185,45 @@ def main() -> int:
     if not args.no_profile:
         _autotune_choices(say)
     return 0
+
+
+def _sync_sites(harness, batch, title: str, say) -> None:
+    """One step under CUDA sync debug mode; print its synchronisations per site."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if ("of3_megafold" in f.filename or "openfold3" in f.filename)
+            and "bench/step.py" not in f.filename
+        ]
+        if ours:
+            f = ours[-1]
+            path = f.filename.split("site-packages/")[-1].split("/work/")[-1]
+            sites[f"{path}:{f.lineno} ({f.name})"] += 1
+        else:
+            sites[f"{filename}:{lineno}"] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            harness.step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    say(f"== {title}: {sum(sites.values())} synchronisations")
+    for site, count in sites.most_common(20):
+        say(f"   {count:6d}  {site}")
 
 
 def _autotune_choices(say) -> None:
