@@ -8,6 +8,12 @@ atom transformers) runs its SwiGLU and output projection through
 :func:`swiglu_mlp` after OF3's AdaLN. The forward keeps only the input (and the
 LayerNorm statistics); the backward recomputes the ``[*, n*c]`` hidden activations.
 Parameter names are unchanged, so OF3 checkpoints load as they are.
+
+Transitions that compute in fp32 (no autocast around them, fp32 input: OF3's
+diffusion conditioning and the atom transformer in a bf16-mixed run) keep OF3's own
+path. The kernels take fp32, but with IEEE dots they run on CUDA cores, and on the
+H200 they cost 1.7 s more per 384-token training step than OF3's fp32 GEMMs
+(docs/benchmarks.md, "Full training step").
 """
 
 from __future__ import annotations
@@ -36,16 +42,28 @@ def _has_bias(*linears) -> bool:
     return any(linear.bias is not None for linear in linears)
 
 
+def _use_kernel(module: Any, x) -> bool:
+    """The fused path for this call: the key on, OF3's bias-free Linears, and a
+    16-bit compute dtype (fp32 transitions stay on OF3's path, see above)."""
+    import torch
+
+    from of3_megafold.kernels.swiglu_transition import compute_dtype
+
+    swiglu = module.swiglu
+    return (
+        _enabled(module)
+        and not _has_bias(swiglu.linear_a, swiglu.linear_b, module.linear_out)
+        and compute_dtype(x) != torch.float32
+    )
+
+
 def _patch_swiglu_transition(original):
     def _transition(self, x, mask):
-        swiglu = self.swiglu
-        if not _enabled(self) or _has_bias(
-            swiglu.linear_a, swiglu.linear_b, self.linear_out
-        ):
+        if not _use_kernel(self, x):
             return original(self, x, mask)
         from of3_megafold.kernels.swiglu_transition import swiglu_transition
 
-        norm = self.layer_norm
+        swiglu, norm = self.swiglu, self.layer_norm
         return swiglu_transition(
             x,
             norm.weight,
@@ -63,13 +81,11 @@ def _patch_swiglu_transition(original):
 
 def _patch_conditioned_transition(original):
     def _transition(self, a, s, mask):
-        swiglu = self.swiglu
-        if not _enabled(self) or _has_bias(
-            swiglu.linear_a, swiglu.linear_b, self.linear_out
-        ):
+        if not _use_kernel(self, a):
             return original(self, a, s, mask)
         from of3_megafold.kernels.swiglu_transition import swiglu_mlp
 
+        swiglu = self.swiglu
         b = swiglu_mlp(
             self.layer_norm(a, s),
             swiglu.linear_a.weight,

@@ -4,6 +4,7 @@
 
 from of3_megafold.kernels.swiglu_transition.function import (
     SwiGLUTransitionFunction,
+    compute_dtype,
     interleave_ab,
     swiglu_mlp,
     swiglu_transition,
@@ -16,6 +17,7 @@ from of3_megafold.kernels.swiglu_transition.reference import (
 
 __all__ = [
     "SwiGLUTransitionFunction",
+    "compute_dtype",
     "interleave_ab",
     "swiglu_mlp",
     "swiglu_transition",

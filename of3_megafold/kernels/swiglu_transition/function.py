@@ -315,7 +315,7 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
         return (dx, *grads, None, None, None)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The matmul dtype OF3 would use: the autocast dtype inside autocast, else
     ``x.dtype``."""
     if torch.is_autocast_enabled(x.device.type):
@@ -323,11 +323,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _fused_ok(x: torch.Tensor, compute_dtype: torch.dtype) -> tuple[bool, str]:
+def _fused_ok(x: torch.Tensor, dtype: torch.dtype) -> tuple[bool, str]:
     if not runs_on(x):
         return False, f"tensor on {x.device} and the Triton interpreter is off"
-    if x.dtype not in _FUSED_DTYPES or compute_dtype not in _FUSED_DTYPES:
-        return False, f"dtype {x.dtype} / compute dtype {compute_dtype}"
+    if x.dtype not in _FUSED_DTYPES or dtype not in _FUSED_DTYPES:
+        return False, f"dtype {x.dtype} / compute dtype {dtype}"
     if x.shape[-1] > MAX_FUSED_CHANNELS:
         return False, f"c={x.shape[-1]} > {MAX_FUSED_CHANNELS}"
     return True, ""
@@ -392,15 +392,15 @@ def swiglu_transition(
     """
     _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out)
     mask = _row_mask(mask, x)
-    compute_dtype = _compute_dtype(x)
-    ok, why = _fused_ok(x, compute_dtype)
+    dtype = compute_dtype(x)
+    ok, why = _fused_ok(x, dtype)
     if not ok:
         logger.debug("swiglu_transition: torch path (%s)", why)
         return swiglu_transition_reference(
             x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps
         )
     return SwiGLUTransitionFunction.apply(
-        x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, compute_dtype
+        x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, dtype
     )
 
 
@@ -419,13 +419,13 @@ def swiglu_mlp(
     """
     _check_shapes(x, None, None, w_a, w_b, w_out)
     mask = _row_mask(mask, x)
-    compute_dtype = _compute_dtype(x)
-    ok, why = _fused_ok(x, compute_dtype)
+    dtype = compute_dtype(x)
+    ok, why = _fused_ok(x, dtype)
     if not ok:
         logger.debug("swiglu_mlp: torch path (%s)", why)
         return swiglu_transition_reference(
             x, None, None, w_a, w_b, w_out, mask, normalize=False
         )
     return SwiGLUTransitionFunction.apply(
-        x, None, None, w_a, w_b, w_out, mask, 0.0, compute_dtype
+        x, None, None, w_a, w_b, w_out, mask, 0.0, dtype
     )
