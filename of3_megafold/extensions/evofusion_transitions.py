@@ -10,10 +10,11 @@ LayerNorm statistics); the backward recomputes the ``[*, n*c]`` hidden activatio
 Parameter names are unchanged, so OF3 checkpoints load as they are.
 
 Transitions that compute in fp32 (no autocast around them, fp32 input: OF3's
-diffusion conditioning and the atom transformer in a bf16-mixed run) keep OF3's own
-path. The kernels take fp32, but with IEEE dots they run on CUDA cores, and on the
-H200 they cost 1.7 s more per 384-token training step than OF3's fp32 GEMMs
-(docs/benchmarks.md, "Full training step").
+diffusion conditioning and the atom transformer in a bf16-mixed run) run OF3's own
+math under activation checkpointing instead: the forward keeps only the inputs and
+the backward recomputes the transition with OF3's fp32 GEMMs. The kernels take fp32
+too, but with IEEE dots they run on CUDA cores; on the H200 they cost 1.7 s more per
+384-token training step than OF3's GEMMs (docs/benchmarks.md, "Full training step").
 """
 
 from __future__ import annotations
@@ -42,25 +43,38 @@ def _has_bias(*linears) -> bool:
     return any(linear.bias is not None for linear in linears)
 
 
-def _use_kernel(module: Any, x) -> bool:
-    """The fused path for this call: the key on, OF3's bias-free Linears, and a
-    16-bit compute dtype (fp32 transitions stay on OF3's path, see above)."""
+def _path(module: Any, x) -> str:
+    """``"kernel"`` (the key on, OF3's bias-free Linears, 16-bit compute),
+    ``"recompute"`` (the key on, fp32 compute, gradients wanted: OF3's math under
+    activation checkpointing, see above) or ``"of3"``."""
     import torch
 
     from of3_megafold.kernels.swiglu_transition import compute_dtype
 
     swiglu = module.swiglu
-    return (
-        _enabled(module)
-        and not _has_bias(swiglu.linear_a, swiglu.linear_b, module.linear_out)
-        and compute_dtype(x) != torch.float32
-    )
+    if not _enabled(module) or _has_bias(
+        swiglu.linear_a, swiglu.linear_b, module.linear_out
+    ):
+        return "of3"
+    if compute_dtype(x) != torch.float32:
+        return "kernel"
+    return "recompute" if torch.is_grad_enabled() else "of3"
+
+
+def _recomputed(original, *args):
+    """``original(*args)`` keeping only its inputs for the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(original, *args, use_reentrant=False)
 
 
 def _patch_swiglu_transition(original):
     def _transition(self, x, mask):
-        if not _use_kernel(self, x):
+        path = _path(self, x)
+        if path == "of3":
             return original(self, x, mask)
+        if path == "recompute":
+            return _recomputed(original, self, x, mask)
         from of3_megafold.kernels.swiglu_transition import swiglu_transition
 
         swiglu, norm = self.swiglu, self.layer_norm
@@ -81,8 +95,11 @@ def _patch_swiglu_transition(original):
 
 def _patch_conditioned_transition(original):
     def _transition(self, a, s, mask):
-        if not _use_kernel(self, a):
+        path = _path(self, a)
+        if path == "of3":
             return original(self, a, s, mask)
+        if path == "recompute":
+            return _recomputed(original, self, a, s, mask)
         from of3_megafold.kernels.swiglu_transition import swiglu_mlp
 
         swiglu = self.swiglu

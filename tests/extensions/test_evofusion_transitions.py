@@ -95,32 +95,44 @@ def test_swiglu_transition(kit, kernel_calls, c, n, rows):
     assert kernel_calls == ([] if c > 128 else [torch.bfloat16])
 
 
-def test_fp32_transitions_keep_of3_path(kit, kernel_calls):
-    """No autocast, fp32 input: OF3's own math, bit for bit, no kernel launch."""
+def test_fp32_transitions_recompute_of3(kit, kernel_calls):
+    """No autocast, fp32 input: OF3's own math, bit for bit, no kernel launch, and
+    under checkpointing: less kept for the backward than OF3 keeps."""
     from openfold3.core.model.layers.transition import (
         ConditionedTransitionBlock,
         SwiGLUTransition,
     )
 
+    def saved_bytes(module, inputs, grad_out):
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results = _run(module, inputs, grad_out)
+        return results, sum(total)
+
     torch.manual_seed(0)
     cases = [
-        (_randomize(SwiGLUTransition(c_in=8, n=2), 1), {"x": torch.randn(2, 5, 8)}),
+        (_randomize(SwiGLUTransition(c_in=8, n=4), 1), {"x": torch.randn(2, 5, 8)}),
         (
-            _randomize(ConditionedTransitionBlock(c_a=16, c_s=8, n=2), 2),
+            _randomize(ConditionedTransitionBlock(c_a=16, c_s=8, n=4), 2),
             {"a": torch.randn(1, 9, 16), "s": torch.randn(1, 9, 8)},
         ),
     ]
     for module, inputs in cases:
-        inputs["mask"] = (
-            torch.rand(next(iter(inputs.values())).shape[:-1]) > 0.3
-        ).float()
+        rows = next(iter(inputs.values())).shape[:-1]
+        inputs["mask"] = (torch.rand(rows) > 0.3).float()
         grad_out = torch.randn(module(**inputs).shape)
-        stock = _run(module, inputs, grad_out)
+        stock, stock_saved = saved_bytes(module, inputs, grad_out)
         _force()
-        kit_ = _run(module, inputs, grad_out)
+        kit_, kit_saved = saved_bytes(module, inputs, grad_out)
         activate()
         for s, k in zip(stock, kit_, strict=True):
             assert torch.equal(s, k)
+        assert kit_saved < stock_saved / 2, (kit_saved, stock_saved)
     assert kernel_calls == []
 
 
