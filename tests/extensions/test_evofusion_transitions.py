@@ -3,7 +3,7 @@
 Both run under bf16 autocast (how Lightning's bf16-mixed trains OF3); errors against
 OF3's module in float64. The kit (Triton; the interpreter on CPU) must stay within 2x
 OF3's bf16 error plus a small floor, for the output and the gradients of the input
-and of every parameter. fp32 transitions keep OF3's path (bitwise).
+and of every parameter. fp32 transitions run OF3's math, recomputed (bitwise).
 """
 
 import copy
