@@ -79,6 +79,11 @@ for spec in "$@"; do
             "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py
         step) run "$name" "${limit:-540}" python3 scripts/gpu_step.py "$OUT/$name.json" $extra ;;
+        # one process per GPU (all of them, or SP_RANKS), sequence parallelism over all
+        # shellcheck disable=SC2086  # $extra: options for gpu_step_sp.py
+        step-sp) run "$name" "${limit:-540}" python3 -m torch.distributed.run --standalone \
+            --nproc_per_node "${SP_RANKS:-$(nvidia-smi -L | wc -l)}" \
+            scripts/gpu_step_sp.py "$OUT/$name.json" $extra ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

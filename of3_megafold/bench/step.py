@@ -421,6 +421,8 @@ class TrainingStepHarness:
         num_recycles: Fixed number of recycles per step; ``None`` reseeds OF3's own
             generator before each step (OF3's first training draw every time).
         seed: Seed for the weights and every step's randomness.
+        update: More model-config keys, merged over the provider's update (e.g.
+            ``{"settings": {"sequence_parallel_size": 2}}``).
     """
 
     def __init__(
@@ -430,6 +432,7 @@ class TrainingStepHarness:
         device: torch.device | str,
         num_recycles: int | None = None,
         seed: int = SEED,
+        update: Mapping | None = None,
     ):
         from openfold3.core.loss.loss_module import OpenFold3Loss
         from openfold3.projects.of3_all_atom.model import OpenFold3
@@ -439,7 +442,9 @@ class TrainingStepHarness:
         self.provider = provider
         self.seed = seed
         self.num_recycles = num_recycles
-        self.config = build_model_config(config, provider_update(provider, device))
+        self.config = build_model_config(
+            config, deep_merge(provider_update(provider, device), update or {})
+        )
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         _seed_everything(seed)
         with _torch_truncated_normal_init():

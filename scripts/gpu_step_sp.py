@@ -1,0 +1,227 @@
+"""The full-model training step under sequence parallelism: one process per GPU.
+
+    python -m torch.distributed.run --standalone --nproc_per_node P \\
+        scripts/gpu_step_sp.py OUT.json [--provider kit] [--tokens 768,1280]
+        [--repeats 2] [--warmup 1] [--num-recycles 1] [--replicate-diffusion]
+        [--config full|tiny] [--n-msa 1024] [--n-templ 4]
+
+What ``scripts/gpu_step.py`` measures on one GPU, with the ``sequence_parallel``
+extension on over all P ranks (``sequence_parallel_size = P``: one group, no data
+parallelism). Every rank builds the same model (provider ``--provider``, same
+seed) and steps on the same random batch. The pair representation is sharded
+across the ranks inside the pairformer stacks, and each rank runs ``no_samples / P``
+of the diffusion samples (unless ``--replicate-diffusion``). After each backward
+the gradients are averaged over the ranks in one flat ``all_reduce``, as DDP would.
+
+Per size, rank 0 appends one row to OUT.json:
+- the step time of the slowest rank (forward + loss + backward + that
+  ``all_reduce``; median over ``--repeats`` steps after ``--warmup``);
+- every rank's peak memory (``max_memory_allocated``; the largest is ``peak_gib``);
+- the loss breakdown (averaged over the group by the extension).
+
+A size that does not fit ends the run. The rank that ran out of memory exits with
+status 3, and the launcher stops the others, which would otherwise wait in a
+collective. The rows measured before it are kept. A largest-crop search is
+therefore one launch per size::
+
+    for n in 1280 1536 1792 2048; do python -m torch.distributed.run ... \\
+        --tokens $n --repeats 1 || break; done
+
+``--config tiny`` with small ``--tokens`` is a CPU dry run over ``gloo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run from a checkout without installing the kit.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+OUT_OF_MEMORY_EXIT = 3
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_json", type=Path, help="JSON file to append rows to")
+    parser.add_argument("--provider", default="kit", help="step-harness provider")
+    parser.add_argument("--tokens", type=_ints, default=[768])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--num-recycles", type=int, default=1)
+    parser.add_argument("--n-msa", type=int, default=1024)
+    parser.add_argument("--n-templ", type=int, default=4)
+    parser.add_argument(
+        "--replicate-diffusion",
+        action="store_true",
+        help="every rank runs all diffusion samples (default: split them)",
+    )
+    parser.add_argument("--config", default="full", help="'full', or 'tiny' on CPU")
+    return parser.parse_args(argv)
+
+
+def _average_gradients(model, dist) -> None:
+    """Average every gradient over the world in one flat ``all_reduce``."""
+    import torch
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _timed_step(harness, batch, dist) -> tuple[float, object]:
+    """One step plus the gradient average; (ms of the slowest rank, StepResult)."""
+    import torch
+
+    result = harness.step(batch)
+    started = time.perf_counter()
+    _average_gradients(harness.model, dist)
+    if harness.device.type == "cuda":
+        torch.cuda.synchronize(harness.device)
+    ms = torch.tensor([result.ms + (time.perf_counter() - started) * 1e3])
+    if dist.get_backend() == "nccl":
+        ms = ms.to(harness.device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms), result
+
+
+def _gathered(value: float, dist, device) -> list[float]:
+    import torch
+
+    mine = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        mine = mine.to(device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [float(v) for v in every]
+
+
+def _measure(harness, args, n_token: int, dist) -> dict:
+    """Warm-up and timed steps at ``n_token`` tokens; the row's fields."""
+
+    from of3_megafold.bench.common import free_device_memory, is_out_of_memory
+    from of3_megafold.bench.step import random_training_batch
+
+    batch = random_training_batch(
+        n_token, args.n_msa, args.n_templ, harness.device, harness.seed
+    )
+    times, results = [], []
+    try:
+        for index in range(args.warmup + args.repeats):
+            ms, result = _timed_step(harness, batch, dist)
+            if index >= args.warmup:
+                times.append(ms)
+                results.append(result)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        print(
+            f"rank {dist.get_rank()}: out of memory at {n_token} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(OUT_OF_MEMORY_EXIT)  # the peers wait in a collective
+    del batch
+    harness.model.zero_grad(set_to_none=True)
+    free_device_memory()
+    cuda = harness.device.type == "cuda"
+    peaks = _gathered(
+        max(r.peak_gib for r in results) if cuda else 0.0, dist, harness.device
+    )
+    last = results[-1]
+    return {
+        "ms": statistics.median(times),
+        "step_ms": [round(t, 3) for t in times],
+        "peak_gib": max(peaks) if cuda else None,
+        "peak_gib_ranks": [round(p, 3) for p in peaks] if cuda else None,
+        "recycles": last.recycles,
+        "loss": last.loss,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import torch
+    import torch.distributed as dist
+
+    from of3_megafold import activate
+    from of3_megafold.bench.common import append_rows, environment_metadata
+    from of3_megafold.bench.step import TrainingStepHarness
+
+    cuda = args.config == "full"
+    if cuda and not torch.cuda.is_available():
+        print("gpu_step_sp.py needs CUDA devices (or --config tiny)", file=sys.stderr)
+        return 2
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    split = not args.replicate_diffusion
+    activate()  # registers the sequence_parallel keys in OF3's config
+    try:
+        harness = TrainingStepHarness(
+            args.config,
+            args.provider,
+            device,
+            num_recycles=args.num_recycles,
+            update={
+                "settings": {
+                    "sequence_parallel_size": world,
+                    "sequence_parallel_split_diffusion": split,
+                    # required with sequence parallelism (the harness does not clip)
+                    "gradient_clipping": {"per_sample_clipping": False},
+                }
+            },
+        )
+        meta = environment_metadata(device)
+        for n_token in args.tokens:
+            fields = _measure(harness, args, n_token, dist)
+            if rank == 0:
+                row = {
+                    "bench": "step",
+                    "mode": "step_sp",
+                    "provider": f"{args.provider}+sp{world}",
+                    "config": args.config,
+                    "n_token": n_token,
+                    "n_msa": args.n_msa,
+                    "n_templ": args.n_templ,
+                    "no_samples": harness.no_samples,
+                    "sp_size": world,
+                    "split_diffusion": split,
+                    "precision": harness.precision,
+                    "params_m": round(harness.params_m, 2),
+                    "warmup": args.warmup,
+                    "repeats": args.repeats,
+                    **fields,
+                    **meta,
+                }
+                append_rows(args.out_json, [row])
+                print(
+                    f"{row['provider']} @ {n_token} tokens: {fields['ms'] / 1e3:.2f} "
+                    f"s/step, peak per rank {fields['peak_gib_ranks']} GiB, "
+                    f"loss {fields['loss'].get('loss', float('nan')):.4f}",
+                    flush=True,
+                )
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
