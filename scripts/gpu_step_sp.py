@@ -16,7 +16,10 @@ the gradients are averaged over the ranks in one flat ``all_reduce``, as DDP wou
 Per size, rank 0 appends one row to OUT.json:
 - the step time of the slowest rank (forward + loss + backward + that
   ``all_reduce``; median over ``--repeats`` steps after ``--warmup``);
-- every rank's peak memory (``max_memory_allocated``; the largest is ``peak_gib``);
+- every rank's peak memory during forward, loss and backward
+  (``max_memory_allocated``; the largest is ``peak_gib``). The flat gradient buffer
+  of the ``all_reduce`` (one fp32 copy of the gradients, 1.4 GiB for the full model)
+  comes after the activations are freed and is not in it;
 - the loss breakdown (averaged over the group by the extension).
 
 A size that does not fit ends the run. The rank that ran out of memory exits with
