@@ -46,7 +46,12 @@ run() {  # run <step> <seconds> <command...>
 of3_test_stubs() {  # import-only stand-ins (scripts/gpu_stubs/) for what OF3's tests import
     python3 -c "import boto3, botocore.paginate, awscrt, func_timeout, kalign" 2>/dev/null ||
         export PYTHONPATH="$PYTHONPATH:$PWD/scripts/gpu_stubs"
-    mkdir -p "$(python3 -c 'import openfold3, os; print(os.path.dirname(openfold3.__file__))')/tests/test_data"
+    local data
+    data="$(python3 -c 'import openfold3, os; print(os.path.dirname(openfold3.__file__))')/tests/test_data"
+    mkdir -p "$data"
+    # OF3's regression snapshots (test_triangular_attention's ndarrays_regression),
+    # copied from an openfold3 install into the ignored .of3-snapshots/ and carried
+    [ -d .of3-snapshots ] && mkdir -p "$data/snapshots" && cp -r .of3-snapshots/. "$data/snapshots/"
 }
 
 for spec in "$@"; do
