@@ -8,6 +8,7 @@ be set before the kit's kernel modules are imported.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from typing import TYPE_CHECKING
@@ -28,6 +29,14 @@ def runs_on(t: torch.Tensor) -> bool:
     interpreter. On a GPU machine without the interpreter, CPU tensors cannot (OF3's
     CPU tests and CPU inference run there too): callers fall back to OF3's path."""
     return t.is_cuda or (interpreter_enabled() and t.device.type == "cpu")
+
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Context that makes ``t``'s CUDA device the current one (Triton launches on
+    the current device); does nothing for CPU tensors."""
+    import torch
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def triton_backend() -> tuple[bool, str]:

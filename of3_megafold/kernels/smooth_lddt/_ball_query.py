@@ -29,11 +29,11 @@ dimension. Outputs are integer tensors and carry no gradient.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import triton
 import triton.language as tl
+
+from of3_megafold.kernels.backend import on_device
 
 from ._spatial import SpatialPlan, list_row_block_tiles, make_plan, tile_chunk
 from .reference import per_atom_inputs
@@ -195,6 +195,22 @@ def ball_query_search(
     return neighbors, counts
 
 
+def search_plan(
+    truth: torch.Tensor, nuc: torch.Tensor, mask: torch.Tensor
+) -> SpatialPlan:
+    """The spatial plan of the neighbour search, from the per-atom inputs
+    (``[B, N, 3]``, ``[B, N]``, ``[B, N]``, as ``per_atom_inputs`` returns them)."""
+    return make_plan(
+        truth,
+        nuc,
+        mask,
+        SEARCH_BLOCK_ROWS,
+        SEARCH_BLOCK_COLS,
+        symmetric=False,
+        list_tiles=False,
+    )
+
+
 def draw_seed() -> int:
     """A seed from torch's default CPU generator (follows ``torch.manual_seed``)."""
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
@@ -237,15 +253,7 @@ def ball_query(
     if n >= 2**31 // max(max_neighbors, 1):
         raise ValueError("N * max_neighbors must stay below 2**31")
     seed = draw_seed() if seed is None else int(seed) % (2**31)
-    guard = torch.cuda.device(truth.device) if truth.is_cuda else nullcontext()
-    with guard:
-        plan = make_plan(
-            truth,
-            nuc,
-            mask,
-            SEARCH_BLOCK_ROWS,
-            SEARCH_BLOCK_COLS,
-            symmetric=False,
-            list_tiles=False,
+    with on_device(truth):
+        return ball_query_search(
+            search_plan(truth, nuc, mask), max_neighbors, seed, eps
         )
-        return ball_query_search(plan, max_neighbors, seed, eps)

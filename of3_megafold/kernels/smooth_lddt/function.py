@@ -16,17 +16,12 @@ does; OF3 averages over samples afterwards).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._ball_query import (
-    SEARCH_BLOCK_COLS,
-    SEARCH_BLOCK_ROWS,
-    ball_query_search,
-    draw_seed,
-)
+from of3_megafold.kernels.backend import on_device
+
+from ._ball_query import ball_query_search, draw_seed, search_plan
 from ._fused import gather_sorted_x, scatter_grad, smooth_lddt_fused_fwd
 from ._loss import lddt_loss_from_sums
 from ._sparse_score import neighbor_score_bwd, neighbor_score_fwd, reverse_neighbors
@@ -37,11 +32,6 @@ FUSED_BLOCK_ROWS = 64
 FUSED_BLOCK_COLS = 32
 
 
-def _on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it ``t``'s."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 class SmoothLDDTFusedFunction(torch.autograd.Function):
     """Exact smooth lDDT, loss and gradient in one pass (see ``_fused.py``)."""
 
@@ -50,7 +40,7 @@ class SmoothLDDTFusedFunction(torch.autograd.Function):
         truth, nuc, mask = per_atom_inputs(x, truth, is_nucleotide, atom_mask)
         b, s, n, _ = x.shape
         want_grad = ctx.needs_input_grad[0]
-        with _on_device(x):
+        with on_device(x):
             plan = make_plan(truth, nuc, mask, FUSED_BLOCK_ROWS, FUSED_BLOCK_COLS, True)
             x_sorted = gather_sorted_x(x, plan)
             a_part, c_part, g_part = smooth_lddt_fused_fwd(
@@ -129,17 +119,9 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
                 raise ValueError(f"neighbors must be [B, N, K], got {tuple(nbr.shape)}")
             if tuple(counts.shape) != (b, n):
                 raise ValueError(f"counts must be [B, N], got {tuple(counts.shape)}")
-        with _on_device(x):
+        with on_device(x):
             if neighbors is None:
-                plan = make_plan(
-                    truth,
-                    nuc,
-                    mask,
-                    SEARCH_BLOCK_ROWS,
-                    SEARCH_BLOCK_COLS,
-                    symmetric=False,
-                    list_tiles=False,
-                )
+                plan = search_plan(truth, nuc, mask)
                 nbr, counts = ball_query_search(plan, max_neighbors, seed, eps)
                 n_valid = plan.n_valid
             else:
@@ -161,7 +143,7 @@ class SmoothLDDTBallQueryFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         x, t32, nbr, counts, dloss_da, *reverse = ctx.saved_tensors
-        with _on_device(x):
+        with on_device(x):
             grad = neighbor_score_bwd(
                 x,
                 t32,
