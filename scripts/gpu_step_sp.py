@@ -79,10 +79,8 @@ def _average_gradients(model, dist) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
 
 
 def _timed_step(harness, batch, dist) -> tuple[float, object]:
@@ -94,9 +92,10 @@ def _timed_step(harness, batch, dist) -> tuple[float, object]:
     _average_gradients(harness.model, dist)
     if harness.device.type == "cuda":
         torch.cuda.synchronize(harness.device)
-    ms = torch.tensor([result.ms + (time.perf_counter() - started) * 1e3])
-    if dist.get_backend() == "nccl":
-        ms = ms.to(harness.device)
+    # on the rank's device: CUDA for NCCL, the CPU for gloo
+    ms = torch.tensor(
+        [result.ms + (time.perf_counter() - started) * 1e3], device=harness.device
+    )
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return float(ms), result
 
@@ -104,9 +103,7 @@ def _timed_step(harness, batch, dist) -> tuple[float, object]:
 def _gathered(value: float, dist, device) -> list[float]:
     import torch
 
-    mine = torch.tensor([value], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        mine = mine.to(device)
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [float(v) for v in every]
