@@ -47,15 +47,15 @@ def _path(module: Any, x) -> str:
     """``"kernel"`` (the key on, OF3's bias-free Linears, 16-bit compute),
     ``"recompute"`` (the key on, fp32 compute, gradients wanted: OF3's math under
     activation checkpointing, see above) or ``"of3"``."""
-    import torch
-
-    from of3_megafold.kernels.swiglu_transition import compute_dtype
-
     swiglu = module.swiglu
     if not _enabled(module) or _has_bias(
         swiglu.linear_a, swiglu.linear_b, module.linear_out
     ):
-        return "of3"
+        return "of3"  # before the imports: key-off calls stay as cheap as OF3's
+    import torch
+
+    from of3_megafold.kernels.swiglu_transition import compute_dtype
+
     if compute_dtype(x) != torch.float32:
         return "kernel"
     return "recompute" if torch.is_grad_enabled() else "of3"
