@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install the carried wheels (.whl/, see docs/benchmarks.md),
+# One GPU-machine session: install the carried wheels (.whl/; docs/benchmarks.md,
+# "Re-running them"),
 # then run the named steps, each logged to $OUT/<step>.log (results JSON to $OUT too).
 # A step may carry its own time limit in seconds (bench-attention@200) and a tag that
 # names its log and results (step.r1 -> step.r1.log, step.r1.json), so one session can

@@ -9,9 +9,9 @@ preset, 368 M parameters, 48 diffusion samples, bf16 autocast) on a random batch
 with 1024 MSA rows and 4 templates, at 384 and 768 tokens (one warm-up step, then
 ``--repeats`` timed steps; kernel launches counted in one profiled step at 384).
 Then, once every provider is timed, the largest trainable crop of each: one step
-per size on ``--ladder``, starting near the known limits (BASELINES.md table D: 768
-stock, 1280 OF3 Triton) and walking up until out of memory (or down until a size
-fits).
+per size on ``--ladder``, starting near the known limits (baseline table D in
+docs/benchmarks.md: 768 stock, 1280 OF3 Triton) and walking up until out of memory
+(or down until a size fits).
 
 Time on an H200, from table D: timing ~1.5 min per provider (384: 4 x ~7.5 s, 768:
 3 x ~20 s), then the searches: stock ~20 s (1024 runs out of memory), stock-triton
@@ -34,7 +34,8 @@ from pathlib import Path
 # Run from a checkout without installing the kit.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# Start near the limits BASELINES.md table D found; skips ~1 min of probing.
+# Start near the limits of baseline table D (docs/benchmarks.md); skips ~1 min of
+# probing.
 MAX_CROP_START = {"stock": 1024, "stock-triton": 1280, "kit": 1280}
 
 

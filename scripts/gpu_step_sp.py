@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from of3_megafold import activate
     from of3_megafold.bench.common import append_rows, environment_metadata
     from of3_megafold.bench.step import TrainingStepHarness
+    from of3_megafold.parallel.groups import reset_sequence_parallel
 
     cuda = args.config == "full"
     if cuda and not torch.cuda.is_available():
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
+        reset_sequence_parallel()  # the kit's group references go before the world
         dist.destroy_process_group()
     return 0
 

@@ -126,6 +126,32 @@ def test_every_overlay_in_runner_yamls_validates(runner_yaml):
             )
 
 
+def test_demo_yaml_needs_the_kit_for_its_keys(runner_yaml):
+    """docs/demo.md: the resolved demo YAML runs with ``of3-megafold train``; stock
+    OF3 rejects it (its locked config has no kit keys)."""
+    from openfold3.core.config import config_utils
+    from openfold3.entry_points.validator import TrainingExperimentConfig
+    from openfold3.projects.of3_all_atom.project_entry import OF3ProjectEntry
+
+    from of3_megafold import activate, deactivate
+
+    def model_config():
+        runner = config_utils.load_yaml(runner_yaml)
+        expt = TrainingExperimentConfig.model_validate(runner)
+        entry = OF3ProjectEntry()
+        config = entry.get_model_config_with_presets(expt.model_update.presets)
+        config.update(expt.model_update.custom)
+        return config
+
+    deactivate()
+    try:
+        with pytest.raises(KeyError, match="locked"):
+            model_config()
+    finally:
+        activate()
+    assert model_config().settings.memory.train.use_evoflash_attention is False
+
+
 def test_bench_lists_every_benchmark_and_step_options():
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0

@@ -4,7 +4,8 @@
 (:mod:`of3_megafold.bench.attention_core`). Cases:
 
 - ``TriangleAttention(c_in=128, c_hidden=32, no_heads=4, starting=True)``, bf16
-  weights and input ``[1, N, N, 128]``, all-ones mask (BASELINES.md table A);
+  weights and input ``[1, N, N, 128]``, all-ones mask (baseline table A in
+  docs/benchmarks.md);
 - ``DiffusionAttentionPairBias`` as OF3's diffusion transformer builds it (c_q 768,
   16 heads x 48, c_s 384, c_z 128), ``a [1, 48, N, 768]``, ``z [1, N, N, 128]``,
   high-precision core as OF3 calls it.

@@ -18,9 +18,8 @@ builds it for ``run_openfold train``; 368 M parameters, 48 diffusion samples,
 activation checkpointing), or the ``tiny`` config for CPU smoke tests. The batch is
 ``openfold3.tests.utils.data_utils.random_of3_features`` with the token-level
 ground-truth keys filled in: without them OF3's permutation alignment fails, its
-last-resort fallback zeroes every loss weight and the step learns nothing (see
-``/work/shared/OF3_NOTES.md``). :class:`LossesDisabledError` is raised if that
-happens anyway.
+last-resort fallback zeroes every loss weight and the step learns nothing.
+:class:`LossesDisabledError` is raised if that happens anyway.
 
 A *provider* is a model-config update, a nested dict merged into OF3's model config
 exactly like ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``,
@@ -877,7 +876,7 @@ def run(
     ``quick``: the ``tiny`` config at 48 tokens (above OF3's 16-token cut-off for
     its Triton kernel), 16 MSA rows, 2 templates, on whatever device is here.
     Otherwise the full model at 384 and 768 tokens with 1024 MSA rows and 4
-    templates (BASELINES.md table D), launches counted at 384.
+    templates (docs/benchmarks.md, baseline table D), launches counted at 384.
     """
     shape = (
         dict(tokens=[48], n_msa=16, n_templ=2, config="tiny")

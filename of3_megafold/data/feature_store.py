@@ -37,7 +37,7 @@ import os
 import pickle
 import shutil
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -287,7 +287,7 @@ def build_feature_store(
                 pickle.dump(pools, handle, protocol=pickle.HIGHEST_PROTOCOL)
         manifest = {
             **_stamp(),
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "structure_format": structure_format,
             "dataset_cache_sha256": dataset_cache_digest(dataset_cache_file),
             "pdb_ids": pdb_ids,

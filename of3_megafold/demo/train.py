@@ -7,7 +7,8 @@ into the runner YAML, and trains exactly as ``run_openfold train`` does
 per-step loss breakdown OF3 logs. It writes:
 
 ``<output_dir>/runner.yml``
-    the resolved runner YAML that was run (reusable with ``run_openfold train``);
+    the resolved runner YAML that was run (reusable with ``of3-megafold train
+    --runner-yaml``; stock ``run_openfold train`` rejects the kit's keys in it);
 ``<output_dir>/checkpoints/``
     the Lightning checkpoint(s) OF3's ``checkpoint_config`` asks for;
 ``<output_dir>/losses.csv``

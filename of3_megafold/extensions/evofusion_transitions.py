@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from of3_megafold import registry
-from of3_megafold.kernels.backend import triton_backend
+from of3_megafold.kernels.backend import runs_on, triton_backend
 
 NAME = "evofusion_transitions"
 FLAG = "use_evofusion_transitions"
@@ -44,9 +44,9 @@ def _has_bias(*linears) -> bool:
 
 
 def _path(module: Any, x) -> str:
-    """``"kernel"`` (the key on, OF3's bias-free Linears, 16-bit compute),
-    ``"recompute"`` (the key on, fp32 compute, gradients wanted: OF3's math under
-    activation checkpointing, see above) or ``"of3"``."""
+    """``"kernel"`` (the key on, OF3's bias-free Linears, 16-bit compute, a tensor
+    the kernels take), ``"recompute"`` (the key on, fp32 compute, gradients wanted:
+    OF3's math under activation checkpointing, see above) or ``"of3"``."""
     swiglu = module.swiglu
     if not _enabled(module) or _has_bias(
         swiglu.linear_a, swiglu.linear_b, module.linear_out
@@ -56,9 +56,12 @@ def _path(module: Any, x) -> str:
 
     from of3_megafold.kernels.swiglu_transition import compute_dtype
 
-    if compute_dtype(x) != torch.float32:
-        return "kernel"
-    return "recompute" if torch.is_grad_enabled() else "of3"
+    if compute_dtype(x) == torch.float32:
+        return "recompute" if torch.is_grad_enabled() else "of3"
+    if not runs_on(x):  # CPU tensors on a GPU machine
+        registry.log_device_fallback(NAME, x.device.type)
+        return "of3"
+    return "kernel"
 
 
 def _recomputed(original, *args):

@@ -75,7 +75,7 @@ class _RunState:
     """Set by a model built with SP; read by the data module and the loss."""
 
     configured_size: int = 1
-    split_group: Any = None
+    diffusion_split: bool = False  # this step's diffusion samples were split
 
 
 _STATE = _RunState()
@@ -175,7 +175,7 @@ def _seeded_rng(seed: int, device: torch.device, python: bool):
 
 def _patch_model_forward(original):
     def forward(self, batch):
-        _STATE.split_group = None
+        _STATE.diffusion_split = False
         group = _active_group(self)
         if group is None:
             return original(self, batch)
@@ -211,7 +211,7 @@ def _patch_train_diffusion(original):
                 output = original(self, batch, si_input, si_trunk, zij_trunk)
         finally:
             diffusion.no_samples = no_samples
-        _STATE.split_group = group
+        _STATE.diffusion_split = True
         return output
 
     _train_diffusion.__wrapped__ = original
@@ -221,12 +221,14 @@ def _patch_train_diffusion(original):
 def _patch_loss(original):
     def loss(self, batch, output):
         cum_loss, losses = original(self, batch, output)
-        group = _STATE.split_group
-        if group is None:
+        if not _STATE.diffusion_split:
             return cum_loss, losses
         import torch.distributed as dist
 
         from of3_megafold.parallel.comm import group_size
+        from of3_megafold.parallel.groups import sp_group
+
+        group = sp_group()
 
         # Logged values: the mean over the group's diffusion shares (= the mean
         # over all samples). The gradient stays this rank's own.

@@ -90,7 +90,7 @@ def _settings() -> _Settings:
     return current
 
 
-def _atom_inputs(x, batch: dict, loss_token_mask):
+def _atom_inputs(batch: dict, loss_token_mask):
     """Per-atom inputs of the kernels from OF3's batch (as ``smooth_lddt_loss``)."""
     from openfold3.core.utils.atomize_utils import broadcast_token_feat_to_atoms
 
@@ -127,7 +127,7 @@ def kit_smooth_lddt_loss(x, batch: dict, loss_token_mask, eps: float, settings=N
     )
 
     settings = settings or _settings()
-    truth, is_nucleotide, atom_mask = _atom_inputs(x, batch, loss_token_mask)
+    truth, is_nucleotide, atom_mask = _atom_inputs(batch, loss_token_mask)
     single = x.dim() == 3
     if single:
         x = x.unsqueeze(1)

@@ -20,8 +20,10 @@ MIN_CAPABILITY = (8, 0)
 
 
 def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
+    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU
+    (the values Triton itself reads as true)."""
+    value = os.environ.get("TRITON_INTERPRET", "0").lower()
+    return value in ("1", "true", "yes", "on", "y")
 
 
 def runs_on(t: torch.Tensor) -> bool:

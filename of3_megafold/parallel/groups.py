@@ -20,6 +20,7 @@ identities.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -104,9 +105,20 @@ def init_sequence_parallel(sp_size: int) -> ParallelLayout:
 
 
 def reset_sequence_parallel() -> None:
-    """Forget the groups (back to stock); the groups themselves are not destroyed."""
+    """Forget the groups (back to stock).
+
+    The kit's reference is the only one it holds, so after
+    ``torch.distributed.destroy_process_group()`` this lets the groups be freed at
+    once. Call it before or after that; it also runs at interpreter exit. A group
+    that outlives the interpreter's shutdown is freed during finalisation, where a
+    ``gloo`` worker thread still releasing a finished collective's tensors aborts
+    the process ("terminate called without an active exception").
+    """
     global _LAYOUT
     _LAYOUT = ParallelLayout()
+
+
+atexit.register(reset_sequence_parallel)
 
 
 def sp_group() -> dist.ProcessGroup | None:

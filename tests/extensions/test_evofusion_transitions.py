@@ -166,3 +166,26 @@ def test_conditioned_transition_block(kit, kernel_calls):
     }
     _compare(module, inputs, _force)
     assert kernel_calls == [torch.bfloat16]
+
+
+def test_cpu_tensors_take_ofs_path_without_the_interpreter(
+    kit, kernel_calls, monkeypatch, caplog
+):
+    """On a GPU machine without the interpreter the kernels cannot take CPU tensors
+    (OF3's CPU tests run there too): the forced extension runs OF3's own module,
+    bit for bit, and says so once."""
+    from openfold3.core.model.layers.transition import SwiGLUTransition
+
+    module = _randomize(SwiGLUTransition(c_in=8, n=2), 3)
+    x = torch.randn(1, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = module(x=x, mask=None)
+        _force()
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        registry.log_device_fallback.cache_clear()
+        with caplog.at_level("INFO", logger="of3_megafold.registry"):
+            assert torch.equal(module(x=x, mask=None), expected)
+            assert torch.equal(module(x=x, mask=None), expected)
+    assert kernel_calls == []
+    said = [r for r in caplog.records if "run OF3's own path" in r.getMessage()]
+    assert len(said) == 1 and "evofusion_transitions" in said[0].getMessage()

@@ -241,6 +241,16 @@ def test_wide_channels_take_torch_path(device):
     assert "SwiGLUTransitionFunction" not in grad_fn_name(MAX_FUSED_CHANNELS + 32)
 
 
+def test_torch_path_returns_the_compute_dtype(device):
+    """Under autocast both paths return the autocast dtype, fp32 inputs or not."""
+    for c in (MAX_FUSED_CHANNELS, MAX_FUSED_CHANNELS + 32):
+        x, params, mask = make_inputs((3,), c, 2, torch.float32, device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            y = swiglu_transition(x, *params.values(), mask=mask)
+            y_mlp = swiglu_mlp(x, params["w_a"], params["w_b"], params["w_out"])
+        assert y.dtype == y_mlp.dtype == torch.bfloat16, c
+
+
 def test_autograd_function_direct(device):
     x, params, mask = make_inputs((9,), 16, 2, torch.float32, device)
     args = [leaf(x), *(leaf(p) for p in params.values())]

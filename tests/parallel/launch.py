@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from of3_megafold.parallel import groups
+
 _CALLS = itertools.count()
 
 
@@ -22,7 +24,9 @@ def _worker(rank: int, world_size: int, store: str, body: Callable, args: tuple)
     try:
         body(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        groups.reset_sequence_parallel()
+        if dist.is_initialized():  # a body may end the world itself
+            dist.destroy_process_group()
 
 
 def run_on_ranks(body: Callable, world_size: int, tmp_path: Path, *args) -> None:

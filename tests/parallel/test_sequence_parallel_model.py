@@ -48,7 +48,9 @@ Why exact agreement is possible, and how the reference is seeded:
   (un-averaged) breakdowns, which differ between ranks when the diffusion is split.
 """
 
+import gc
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -58,6 +60,7 @@ import torch.distributed as dist
 from of3_megafold import activate
 from of3_megafold.bench import step
 from of3_megafold.extensions import sequence_parallel as sp_ext
+from of3_megafold.parallel import groups
 from tests.parallel.launch import run_on_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,6 +182,15 @@ def _rank_body(rank, world_size, out_dir, split, no_samples):
         "python_restored": python_restored,
         "after_forward": after_forward,
     }
+    # The kit keeps its group in one place: once that lets go and the world is
+    # destroyed, nothing holds the group to the interpreter's shutdown (where a
+    # gloo worker still freeing a collective's tensors aborts the process).
+    group = weakref.ref(groups.sp_group())
+    del batch, outputs, loss, logged  # the autograd graph's nodes hold the group
+    groups.reset_sequence_parallel()
+    dist.destroy_process_group()
+    gc.collect()
+    result["group_released"] = group() is None
     torch.save(result, out_dir / f"rank{rank}.pt")
 
 
@@ -296,6 +308,7 @@ def test_model_step_matches_one_process(tmp_path, world_size, split, no_samples)
     for r, got in enumerate(ranks):
         assert torch.equal(got["checksum"], ref["checksum"]), f"rank {r}: weights"
         assert got["python_restored"], f"rank {r}: Python's generator not restored"
+        assert got["group_released"], f"rank {r}: the SP group outlives the world"
         outputs = got["outputs"]
         n_mine = no_samples // world_size if split else no_samples
         assert outputs["noise_level"].shape == (1, n_mine), f"rank {r}: samples"

@@ -16,15 +16,15 @@ Conventions used by every kernel of the op:
   ``function.evoflash_attention``'s ``high_precision``).
 """
 
-import os
-
 import triton
 import triton.language as tl
+
+from ..backend import interpreter_enabled
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if interpreter_enabled():
 
     @triton.jit
     def _dot(a, b, acc, PRECISION: tl.constexpr):

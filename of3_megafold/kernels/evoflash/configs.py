@@ -16,11 +16,11 @@ configuration runs.
 
 from __future__ import annotations
 
-import os
-
 import triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from ..backend import interpreter_enabled
+
+INTERPRET = interpreter_enabled()
 
 
 def _cfg(block_m: int, block_n: int, s_group: int | None, warps: int, stages: int):

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from .._launch import TunedKernel
+from ..backend import runs_on
 from . import configs, tuned
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
@@ -442,7 +443,7 @@ def evoflash_attention(
     Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``; anywhere else it raises
     (use :func:`evoflash_attention_reference`).
     """
-    if not (q.is_cuda or configs.INTERPRET):
+    if not runs_on(q):
         raise RuntimeError(
             "evoflash_attention needs a CUDA tensor (or TRITON_INTERPRET=1); "
             "use evoflash_attention_reference on CPU"

@@ -387,8 +387,8 @@ def swiglu_transition(
         ``torch.backends.cuda.matmul.allow_tf32`` says.
 
     Falls back to :func:`swiglu_transition_reference` (OF3's eager math, same
-    numerics) for ``c > 128``, other dtypes, or a CPU tensor without the Triton
-    interpreter.
+    numerics; its result cast to the compute dtype) for ``c > 128``, other dtypes,
+    or a CPU tensor without the Triton interpreter.
     """
     _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out)
     mask = _row_mask(mask, x)
@@ -398,7 +398,7 @@ def swiglu_transition(
         logger.debug("swiglu_transition: torch path (%s)", why)
         return swiglu_transition_reference(
             x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps
-        )
+        ).to(dtype)
     return SwiGLUTransitionFunction.apply(
         x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, dtype
     )
@@ -425,7 +425,7 @@ def swiglu_mlp(
         logger.debug("swiglu_mlp: torch path (%s)", why)
         return swiglu_transition_reference(
             x, None, None, w_a, w_b, w_out, mask, normalize=False
-        )
+        ).to(dtype)
     return SwiGLUTransitionFunction.apply(
         x, None, None, w_a, w_b, w_out, mask, 0.0, dtype
     )

@@ -61,8 +61,9 @@ def swiglu_transition_reference(
         mask: ``[*]`` (``x.shape[:-1]``, or broadcastable to it) multiplier of the
             output rows; ``None`` for no mask.
         eps: LayerNorm epsilon.
-        upcast: compute in fp32 (fp64 stays fp64) and cast the result back to the
-            compute dtype; otherwise the matmuls run in the compute dtype as in OF3.
+        upcast: compute in fp32 (fp64 stays fp64) and cast the result back to
+            ``x.dtype``; otherwise the matmuls run in the compute dtype (the
+            autocast dtype inside ``torch.autocast``) as in OF3.
         normalize: ``False`` skips the LayerNorm: ``x`` is taken as already
             normalised (as after the AdaLN of OF3's ``ConditionedTransitionBlock``).
 
