@@ -11,6 +11,8 @@ from of3_megafold import activate, deactivate, registry
 from of3_megafold.errors import ExtensionUnavailableError, KitConfigError
 from tests.extensions import selftest_target
 
+STOCK_COMPUTE = selftest_target.compute  # before any test patches it
+
 SELFTEST_KEY = registry.ConfigKey(
     ("settings", "memory", "train", "use_megafold_selftest"),
     False,
@@ -149,15 +151,15 @@ def test_force_rejects_unknown_names_and_unavailable(selftest):
 def test_activate_is_idempotent_and_deactivate_restores(selftest):
     from openfold3.projects.of3_all_atom.config.model_config import model_config
 
-    original = selftest_target.compute
+    patched = selftest_target.compute
+    assert patched is not STOCK_COMPUTE
     activate()
     activate()
-    assert selftest_target.compute is original
+    assert selftest_target.compute is patched
     assert "use_megafold_selftest" in model_config.settings.memory.train
     deactivate()
     assert "use_megafold_selftest" not in model_config.settings.memory.train
-    assert selftest_target.compute.__name__ == "compute"
-    assert selftest_target.compute(1.0) == 2.0
+    assert selftest_target.compute is STOCK_COMPUTE
     activate()  # the fixture's teardown expects an active kit
 
 

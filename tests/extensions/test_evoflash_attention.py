@@ -5,6 +5,7 @@ interpreter on CPU) must stay within 2x the error of OF3's fp32 torch path plus 
 small floor, for the output and every gradient (input, pair input, weights).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -44,6 +45,25 @@ def _run(module, inputs: dict, grad_out: torch.Tensor):
     return [out.detach(), *grads]
 
 
+@contextlib.contextmanager
+def _counted_kernel_calls():
+    """Calls of the extension's kernel path while inside (a list, one per call)."""
+    from of3_megafold.extensions import evoflash_attention as extension
+
+    calls = []
+    forward = extension.evoflash_forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    extension.evoflash_forward = counted
+    try:
+        yield calls
+    finally:
+        extension.evoflash_forward = forward
+
+
 def _compare(module, inputs, forced_or_tagged):
     """Errors of kit-fp32 and stock-fp32 against stock-fp64."""
     torch.manual_seed(1)
@@ -60,10 +80,14 @@ def _compare(module, inputs, forced_or_tagged):
     out_shape = module(**inputs).shape
     grad_out = torch.randn(out_shape, dtype=torch.float64)
     reference = _run(ref_module, ref_inputs, grad_out)
-    stock = _run(module, inputs, grad_out)
-    forced_or_tagged()
-    kit = _run(module, inputs, grad_out)
-    activate()
+    with _counted_kernel_calls() as calls:
+        stock = _run(module, inputs, grad_out)
+        assert not calls, "the kernel ran with the key off"
+        forced_or_tagged()
+        kit = _run(module, inputs, grad_out)
+        activate()
+    # kit == stock passes the error rule trivially: the kit's path must have run
+    assert calls, "the kernel did not run (the extension took OF3's path)"
     for name, r, s, k in zip(range(len(reference)), reference, stock, kit, strict=True):
         if r is None:
             continue
@@ -78,7 +102,7 @@ def _force():
 
 
 @pytest.mark.parametrize(("starting", "n"), [(True, 17), (False, 6)])
-def test_triangle_attention(kit, starting, n):
+def test_triangle_attention(kit, interpreted_kernels, starting, n):
     from openfold3.core.model.layers.triangular_attention import TriangleAttention
 
     module = _randomize(
@@ -90,7 +114,7 @@ def test_triangle_attention(kit, starting, n):
     _compare(module, {"x": x, "mask": mask}, _force)
 
 
-def test_triangle_attention_reads_model_settings(kit):
+def test_triangle_attention_reads_model_settings(kit, interpreted_kernels):
     """Config path: a module tagged with its model's memory settings (as OF3's
     ``OpenFold3.__init__`` does with the kit active) uses the kernel in train mode."""
     from openfold3.core.model.layers.triangular_attention import TriangleAttention
@@ -112,7 +136,7 @@ def test_triangle_attention_reads_model_settings(kit):
 
 
 @pytest.mark.parametrize("diffusion", [False, True])
-def test_attention_pair_bias(kit, diffusion):
+def test_attention_pair_bias(kit, interpreted_kernels, diffusion):
     from openfold3.core.model.layers import attention_pair_bias as apb
 
     cls = apb.DiffusionAttentionPairBias if diffusion else apb.AttentionPairBias

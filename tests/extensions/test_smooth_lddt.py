@@ -16,6 +16,22 @@ def kit():
     activate()
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch, interpreted_kernels):
+    """Calls of the kit's smooth lDDT (a list, one per call)."""
+    from of3_megafold.extensions import smooth_lddt as extension
+
+    calls = []
+    kit_loss = extension.kit_smooth_lddt_loss
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kit_loss(*args, **kwargs)
+
+    monkeypatch.setattr(extension, "kit_smooth_lddt_loss", counted)
+    return calls
+
+
 def _batch_and_x(n_sample=3, seed=0):
     from openfold3.tests.test_diffusion_loss import TestDiffusionLoss
 
@@ -57,13 +73,17 @@ def _loss(batch, x, cfg):
 
 @pytest.mark.parametrize("backend", ["fused", "ball_query"])
 @pytest.mark.parametrize("chunk_size", [None, 2])
-def test_backend_matches_dense_inside_diffusion_loss(kit, backend, chunk_size):
+def test_backend_matches_dense_inside_diffusion_loss(
+    kit, kernel_calls, backend, chunk_size
+):
     batch, x = _batch_and_x()
     x32 = x.detach().float().requires_grad_(True)
     dense = _loss(batch, x32, _diffusion_cfg(chunk_size=chunk_size))
+    assert kernel_calls == []
     # K = 64 >= every atom's in-radius count (55 atoms): ball_query is exact here.
     extra = {"smooth_lddt_top_k": 64} if backend == "ball_query" else {}
     kit_result = _loss(batch, x32, _diffusion_cfg(backend, chunk_size, **extra))
+    assert kernel_calls == [1]  # the kit's loss ran, once, whatever the chunking
     assert dense[1] > 0
     torch.testing.assert_close(kit_result[1], dense[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kit_result[0], dense[0], rtol=1e-5, atol=1e-6)
@@ -81,7 +101,7 @@ def test_dense_backend_is_ofs_function(kit):
     assert torch.equal(got, expected)
 
 
-def test_forced_backend_applies_without_config(kit):
+def test_forced_backend_applies_without_config(kit, kernel_calls):
     from openfold3.core.loss import diffusion
 
     batch, x = _batch_and_x()
@@ -92,9 +112,11 @@ def test_forced_backend_applies_without_config(kit):
     )
     activate(force=["smooth_lddt"])
     assert registry.forced_variant("smooth_lddt") == "fused"
+    assert kernel_calls == []
     fused = diffusion.smooth_lddt_loss(
         x=x32, batch=batch, loss_token_mask=mask, eps=1e-8
     )
+    assert kernel_calls == [1]
     torch.testing.assert_close(fused, dense, rtol=1e-5, atol=1e-6)
 
 
