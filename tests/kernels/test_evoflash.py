@@ -18,6 +18,7 @@ from of3_megafold.kernels.evoflash import (
     configs,
     evoflash_attention,
     evoflash_attention_reference,
+    function,
 )
 from of3_megafold.kernels.evoflash.tolerances import FACTOR, FLOOR
 
@@ -193,12 +194,26 @@ def test_atomic_dq_variant(device):
 
 def test_one_slice_per_program(device, monkeypatch):
     """S_GROUP = 1 and unequal blocks (the interpreter default pairs slices)."""
+    if not configs.INTERPRET:
+        pytest.skip("sets the interpreter's fixed configs (the GPU autotunes)")
     cfgs = {name: {**c, "BLOCK_M": 32, "BLOCK_N": 16} for name, c in
             configs.INTERPRETER_CONFIGS.items()}
     for name in ("fwd", "dq", "dkdv"):
         cfgs[name]["S_GROUP"] = 1
-    monkeypatch.setattr(configs, "INTERPRETER_CONFIGS", cfgs)
+    # The kernels took their fixed configs at import: give them these, and forget
+    # the keys already launched.
+    kernels = {"fwd": function._fwd, "dq": function._dq, "dkdv": function._dkdv,
+               "dbias": function._dbias}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(kernel, "_fixed", cfgs[name])
+        monkeypatch.setattr(kernel, "_chosen", {})
     check_case(Case(1, 3, 33, 1, 32), device, seed=2)
+    for name in ("fwd", "dq", "dkdv"):
+        launched = [meta for meta, _ in kernels[name]._chosen.values()]
+        assert launched and all(
+            m["S_GROUP"] == 1 and (m["BLOCK_M"], m["BLOCK_N"]) == (32, 16)
+            for m in launched
+        ), (name, launched)
 
 
 def test_fully_masked_slice_is_uniform(device):

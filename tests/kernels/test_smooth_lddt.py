@@ -18,7 +18,11 @@ from of3_megafold.kernels.smooth_lddt import (
     smooth_lddt_fused,
     smooth_lddt_reference,
 )
-from of3_megafold.kernels.smooth_lddt._ball_query import ball_query_search
+from of3_megafold.kernels.smooth_lddt._ball_query import (
+    SEARCH_BLOCK_COLS,
+    SEARCH_BLOCK_ROWS,
+    ball_query_search,
+)
 from of3_megafold.kernels.smooth_lddt._spatial import make_plan
 from of3_megafold.kernels.smooth_lddt.reference import (
     in_radius_reference,
@@ -349,8 +353,18 @@ def test_ball_query_exact_when_k_covers(n, device):
         assert_close_rel(grad, ref_grad, 1e-3, f"grad (deterministic={deterministic})")
 
 
-def test_ball_query_skipped_tiles_exact(device):
-    x, truth, nuc, mask = two_clusters(device, 22.0)
+@pytest.mark.parametrize("gap", [22.0, 60.0])
+def test_ball_query_skipped_tiles_exact(gap, device):
+    """Exact (K above every count) with the asymmetric nucleotide cutoff between the
+    blobs (22 A) and with the far blob pairs skipped by the search (60 A)."""
+    x, truth, nuc, mask = two_clusters(device, gap)
+    if gap > 40:
+        plan = make_plan(
+            truth[:, 0], nuc, mask[:, 0] > 0, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS,
+            symmetric=False,
+        )  # fmt: skip
+        total = plan.tiles.shape[1] * plan.tiles.shape[2]
+        assert int(plan.n_tiles.sum()) < total, "the far cluster pair should be skipped"
     w = torch.tensor([[0.3, 1.0]], device=device)
     ref_loss, ref_grad = dense_loss_and_grad(x, truth, nuc, mask, w)
     loss, grad = kernel_loss_and_grad(
