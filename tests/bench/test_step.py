@@ -5,6 +5,7 @@ import math
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,8 +66,9 @@ def test_tiny_step_rows_are_written(tmp_path, no_registry):
     assert row["ms"] > 0 and math.isfinite(row["ms"])
     assert row["peak_gib"] is None and row["launches"] is None  # CPU
     assert row["precision"] == "fp32"
-    # OF3's first training draw from its generator seeded with sync_seed 0.
-    assert row["recycles"] == 3
+    # OF3's first training draw from its generator seeded with sync_seed 0 (which
+    # happens to equal the tiny config's maximum, 3: see the test below).
+    assert row["recycles"] == _first_draw(0, 3) == 3
     _check_loss(row["loss"])
 
 
@@ -75,6 +77,30 @@ def tiny_harness():
     harness = step.TrainingStepHarness("tiny", "stock", "cpu")
     yield harness
     harness.close()
+
+
+def _first_draw(sync_seed: int, num_recycles: int) -> int:
+    """OF3's recycle draw in training (``OpenFold3.forward``), made first."""
+    rng = np.random.default_rng(sync_seed)
+    return int(rng.integers(low=0, high=num_recycles + 1))
+
+
+def test_recycles_are_ofs_first_draw():
+    """The harness reports the count OF3 drew: a sync seed whose first draw is not
+    the configured maximum shows the draw happened."""
+    sync_seed = next(s for s in range(1, 100) if _first_draw(s, 3) != 3)
+    harness = step.TrainingStepHarness(
+        "tiny",
+        "stock",
+        "cpu",
+        update={"architecture": {"shared": {"sync_seed": sync_seed}}},
+    )
+    try:
+        assert harness.config.architecture.shared.num_recycles == 3
+        result = harness.step(step.random_training_batch(16, 8, 2))
+    finally:
+        harness.close()
+    assert result.recycles == _first_draw(sync_seed, 3) != 3
 
 
 def test_steps_are_deterministic_and_recycles_can_be_fixed(tiny_harness):
@@ -241,7 +267,8 @@ def fake_registry(monkeypatch):
         "broken": _FakeExtension({"settings": {}}, False, "needs a Hopper GPU"),
         # Needs several processes: never a provider of this one-process harness.
         "sharded": _FakeExtension(
-            {"settings": {"memory": {"train": {"use_lma": False}}}}, True,
+            {"settings": {"memory": {"train": {"use_lma": False}}}},
+            True,
             min_processes=2,
         ),
     }
