@@ -94,12 +94,21 @@ def test_unknown_key_still_fails_as_in_of3(runner_yaml, tmp_path):
     assert "locked" in result.output
 
 
+def _model_config(runner: dict):
+    """The model config a runner dict asks for, built as OF3's runner builds it."""
+    from openfold3.entry_points.validator import TrainingExperimentConfig
+    from openfold3.projects.of3_all_atom.project_entry import OF3ProjectEntry
+
+    expt = TrainingExperimentConfig.model_validate(runner)
+    config = OF3ProjectEntry().get_model_config_with_presets(expt.model_update.presets)
+    config.update(expt.model_update.custom)
+    return config
+
+
 def test_every_overlay_in_runner_yamls_validates(runner_yaml):
     """Each shipped overlay merges into a runner and passes OF3's and the kit's
     checks (availability aside: the kernels need a GPU or the interpreter)."""
     from openfold3.core.config import config_utils
-    from openfold3.entry_points.validator import TrainingExperimentConfig
-    from openfold3.projects.of3_all_atom.project_entry import OF3ProjectEntry
 
     from of3_megafold import activate, registry
 
@@ -111,10 +120,7 @@ def test_every_overlay_in_runner_yamls_validates(runner_yaml):
     for overlay in overlays:
         runner = config_utils.load_yaml(runner_yaml)
         config_utils.deep_update(runner, config_utils.load_yaml(overlay))
-        expt = TrainingExperimentConfig.model_validate(runner)
-        entry = OF3ProjectEntry()
-        config = entry.get_model_config_with_presets(expt.model_update.presets)
-        config.update(expt.model_update.custom)
+        config = _model_config(runner)
         for extension in registry.EXTENSIONS.values():
             extension.check_config(config)
         if overlay.name == "all_on.yml":
@@ -130,26 +136,18 @@ def test_demo_yaml_needs_the_kit_for_its_keys(runner_yaml):
     """docs/demo.md: the resolved demo YAML runs with ``of3-megafold train``; stock
     OF3 rejects it (its locked config has no kit keys)."""
     from openfold3.core.config import config_utils
-    from openfold3.entry_points.validator import TrainingExperimentConfig
-    from openfold3.projects.of3_all_atom.project_entry import OF3ProjectEntry
 
     from of3_megafold import activate, deactivate
 
-    def model_config():
-        runner = config_utils.load_yaml(runner_yaml)
-        expt = TrainingExperimentConfig.model_validate(runner)
-        entry = OF3ProjectEntry()
-        config = entry.get_model_config_with_presets(expt.model_update.presets)
-        config.update(expt.model_update.custom)
-        return config
-
+    runner = config_utils.load_yaml(runner_yaml)
     deactivate()
     try:
         with pytest.raises(KeyError, match="locked"):
-            model_config()
+            _model_config(runner)
     finally:
         activate()
-    assert model_config().settings.memory.train.use_evoflash_attention is False
+    config = _model_config(runner)
+    assert config.settings.memory.train.use_evoflash_attention is False
 
 
 def test_bench_lists_every_benchmark_and_step_options():

@@ -14,3 +14,16 @@ def interpreted_kernels():
 
     if not runs_on(torch.empty(0)):
         pytest.skip("the kernels take CPU tensors only with TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def device_fallback_messages(caplog):
+    """What ``registry.log_device_fallback`` says from here on (its once-per-extension
+    memory cleared first): call the fixture's value for the messages so far."""
+    from of3_megafold import registry
+
+    registry.log_device_fallback.cache_clear()
+    caplog.set_level("INFO", logger="of3_megafold.registry")
+    return lambda: [
+        r.getMessage() for r in caplog.records if "run OF3's own path" in r.getMessage()
+    ]

@@ -168,7 +168,9 @@ def test_conditioned_transition_block(kit, kernel_calls):
     assert kernel_calls == [torch.bfloat16]
 
 
-def test_cpu_tensors_take_ofs_path_without_the_interpreter(kit, monkeypatch, caplog):
+def test_cpu_tensors_take_ofs_path_without_the_interpreter(
+    kit, monkeypatch, device_fallback_messages
+):
     """On a GPU machine without the interpreter the kernels cannot take CPU tensors
     (OF3's CPU tests run there too): the forced extension runs OF3's own module,
     bit for bit, and says so once."""
@@ -186,9 +188,7 @@ def test_cpu_tensors_take_ofs_path_without_the_interpreter(kit, monkeypatch, cap
         expected = module(x=x, mask=None)
         _force()
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        registry.log_device_fallback.cache_clear()
-        with caplog.at_level("INFO", logger="of3_megafold.registry"):
-            assert torch.equal(module(x=x, mask=None), expected)
-            assert torch.equal(module(x=x, mask=None), expected)
-    said = [r for r in caplog.records if "run OF3's own path" in r.getMessage()]
-    assert len(said) == 1 and "evofusion_transitions" in said[0].getMessage()
+        assert torch.equal(module(x=x, mask=None), expected)
+        assert torch.equal(module(x=x, mask=None), expected)
+    said = device_fallback_messages()
+    assert len(said) == 1 and "evofusion_transitions" in said[0]

@@ -248,13 +248,18 @@ def two_clusters(device, gap: float):
     return x.to(device), truth.to(device), nuc.to(device), mask.to(device)
 
 
+def assert_far_tiles_skipped(truth, nuc, mask, rows, cols, symmetric):
+    """The plan with these blocks lists fewer tiles than all of them."""
+    plan = make_plan(truth[:, 0], nuc, mask[:, 0] > 0, rows, cols, symmetric=symmetric)
+    total = plan.tiles.shape[1] * plan.tiles.shape[2]
+    assert int(plan.n_tiles.sum()) < total, "the far cluster pair should be skipped"
+
+
 @pytest.mark.parametrize("gap", [22.0, 60.0])
 def test_fused_exact_with_skipped_tiles(gap, device):
     x, truth, nuc, mask = two_clusters(device, gap)
-    plan = make_plan(truth[:, 0], nuc, mask[:, 0] > 0, 64, 32, symmetric=True)
-    total = plan.tiles.shape[1] * plan.tiles.shape[2]
     if gap > 40:
-        assert int(plan.n_tiles.sum()) < total, "the far cluster pair should be skipped"
+        assert_far_tiles_skipped(truth, nuc, mask, 64, 32, symmetric=True)
     w = torch.tensor([[1.0, -0.5]], device=device)
     ref_loss, ref_grad = dense_loss_and_grad(x, truth, nuc, mask, w)
     loss, grad = kernel_loss_and_grad(smooth_lddt_fused, x, w, truth, nuc, mask)
@@ -359,12 +364,9 @@ def test_ball_query_skipped_tiles_exact(gap, device):
     blobs (22 A) and with the far blob pairs skipped by the search (60 A)."""
     x, truth, nuc, mask = two_clusters(device, gap)
     if gap > 40:
-        plan = make_plan(
-            truth[:, 0], nuc, mask[:, 0] > 0, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS,
-            symmetric=False,
-        )  # fmt: skip
-        total = plan.tiles.shape[1] * plan.tiles.shape[2]
-        assert int(plan.n_tiles.sum()) < total, "the far cluster pair should be skipped"
+        assert_far_tiles_skipped(
+            truth, nuc, mask, SEARCH_BLOCK_ROWS, SEARCH_BLOCK_COLS, symmetric=False
+        )
     w = torch.tensor([[0.3, 1.0]], device=device)
     ref_loss, ref_grad = dense_loss_and_grad(x, truth, nuc, mask, w)
     loss, grad = kernel_loss_and_grad(
