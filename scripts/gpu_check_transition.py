@@ -2,14 +2,16 @@
 
 Usage (on the GPU machine, from the repository root)::
 
-    python scripts/gpu_check_transition.py            # checks + pair N=768 timing
-    python scripts/gpu_check_transition.py --n 1024   # another pair size
+    python scripts/gpu_check_transition.py                # checks + pair N=768 timing
+    python scripts/gpu_check_transition.py --n 384 1024   # other pair sizes
 
 Correctness: forward and every gradient against an fp64 reference, for bf16, fp16
 and fp32 at c in {64, 128}, with the tests' rule (error <= 2 x plain torch's error
-in the same dtype + a floor). Timing: each kernel alone (with the autotuned config
-and its useful TFLOP/s), the kit's forward + backward, OF3's eager module, and the
-peak memory of one forward + backward.
+in the same dtype + a floor), with each way of reducing the weight gradients
+(``WEIGHT_GRAD_PATH``; 40000 rows: several row chunks of the "gemm" path). Timing:
+each kernel alone (with the autotuned config and its useful TFLOP/s), the backward
+with either weight-gradient path, the kit's forward + backward, OF3's eager module,
+and the peak memory of one forward + backward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
+    function as transition_function,
+)
+from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
     interleave_ab,
     swiglu_transition,
     swiglu_transition_bwd,
@@ -33,7 +38,6 @@ from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
 )
 from of3_megafold.kernels.swiglu_transition._bwd import (  # noqa: E402
     _swiglu_transition_bwd_input_kernel,
-    _swiglu_transition_bwd_weight_kernel,
 )
 from of3_megafold.kernels.swiglu_transition._fwd import (  # noqa: E402
     _swiglu_transition_fwd_kernel,
@@ -45,6 +49,8 @@ FLOORS = {
     torch.bfloat16: (2e-3, 5e-3),
 }
 DEVICE = "cuda"
+WEIGHT_GRAD_PATHS = ("kernel", "gemm")
+DEFAULT_PATH = transition_function.WEIGHT_GRAD_PATH
 NAMES = ("y", "dx", "dln_w", "dln_b", "dw_a", "dw_b", "dw_out")
 
 
@@ -139,14 +145,22 @@ def timing(n_res: int) -> None:
 
     t = bench(lambda: bwd(need_dw_ab=False, need_dw_out=False))
     rows.append(("bwd input kernel", t, 5 * gemm, _swiglu_transition_bwd_input_kernel))
-    t = bench(lambda: bwd(need_dx=False, need_dln=False))
-    rows.append(
-        ("bwd weight kernel", t, 6 * gemm, _swiglu_transition_bwd_weight_kernel)
-    )
+    for path in WEIGHT_GRAD_PATHS:
+        transition_function.WEIGHT_GRAD_PATH = path
+        # weights alone: 3 GEMMs recomputing [a | b] and dh, then 3 reducing over
+        # the rows (either path); everything: "kernel" adds the input kernel's 5,
+        # "gemm" recomputes only once (input kernel 5 + cuBLAS 3)
+        t = bench(lambda: bwd(need_dx=False, need_dln=False))
+        rows.append((f"bwd weights [{path}]", t, 6 * gemm, None))
+        t = bench(lambda: bwd())
+        rows.append(
+            (f"bwd all [{path}]", t, (11 if path == "kernel" else 8) * gemm, None)
+        )
+    transition_function.WEIGHT_GRAD_PATH = DEFAULT_PATH
     print(f"\npair transition x {list(shape)} bf16; TFLOP/s = matmul flops executed")
     for name, t, flops, kernel in rows:
-        cfg = getattr(kernel, "best_config", None)
-        print(f"  {name:18} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s  {cfg}")
+        cfg = getattr(kernel, "best_config", "")
+        print(f"  {name:22} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s  {cfg}")
 
     module = SwiGLUTransition(c_in=c, n=n).cuda()
     with torch.no_grad():
@@ -170,27 +184,41 @@ def timing(n_res: int) -> None:
         clear()
 
     print("  fwd+bwd (9 GEMMs of useful work):")
-    for name, step in (("kit", kit_step), ("of3-eager", eager_step)):
+    steps = [(f"kit [{path}]", path, kit_step) for path in WEIGHT_GRAD_PATHS]
+    steps.append(("of3-eager", DEFAULT_PATH, eager_step))
+    for name, path, step in steps:
+        transition_function.WEIGHT_GRAD_PATH = path
         t = bench(step)
         mib = peak_mib(step)
         print(
             f"  {name:18} {t:7.3f} ms {9 * gemm / t / 1e9:6.0f} TFLOP/s {mib:7.0f} MiB"
         )
+    transition_function.WEIGHT_GRAD_PATH = DEFAULT_PATH
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=768, help="pair size N")
+    parser.add_argument("--n", type=int, nargs="+", default=[768], help="pair sizes N")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)  # fmt: skip
     ok = True
     if not args.no_check:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for m, c, n in ((4099, 128, 4), (3001, 64, 2), (1000, 64, 4)):
-                ok &= check(m, c, n, dtype)
-    timing(args.n)
+        for path in WEIGHT_GRAD_PATHS:
+            transition_function.WEIGHT_GRAD_PATH = path
+            print(f"weight gradients: {path}")
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for m, c, n in (
+                    (4099, 128, 4),
+                    (3001, 64, 2),
+                    (1000, 64, 4),
+                    (40000, 128, 4),
+                ):
+                    ok &= check(m, c, n, dtype)
+        transition_function.WEIGHT_GRAD_PATH = DEFAULT_PATH
+    for n_res in args.n:
+        timing(n_res)
     sys.exit(0 if ok else 1)
 
 

@@ -66,7 +66,8 @@ for spec in "$@"; do
             -p no:cacheprovider --durations=15 ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_evoflash.py
         evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py $extra ;;
-        transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py ;;
+        # shellcheck disable=SC2086  # $extra: options for gpu_check_transition.py
+        transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_sequence_parallel.py
         sp) run sp "${limit:-180}" python3 scripts/gpu_check_sequence_parallel.py $extra ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;

@@ -19,6 +19,7 @@ from of3_megafold.kernels.swiglu_transition import (
     swiglu_transition,
     swiglu_transition_reference,
 )
+from of3_megafold.kernels.swiglu_transition import function as transition_function
 from of3_megafold.kernels.swiglu_transition.function import MAX_FUSED_CHANNELS
 
 # Floors relative to max|reference|. Forward: one rounding of the output plus the
@@ -148,6 +149,34 @@ CASES = [
 def test_matches_fp64(rows, c, n, dtype, device):
     x, params, mask = make_inputs((rows,), c, n, dtype, device)
     check_against_oracle(x, params, mask, dtype)
+
+
+@pytest.mark.parametrize("path", ["gemm", "kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_grad_paths_over_row_chunks(path, dtype, device, monkeypatch):
+    """Both ways of reducing the weight gradients over the rows, the "gemm" one with
+    the rows split into several chunks (and a ragged last one): every gradient
+    against the oracle, and the chunks' LayerNorm partial sums land where the sum
+    reads them."""
+    monkeypatch.setattr(transition_function, "WEIGHT_GRAD_PATH", path)
+    monkeypatch.setattr(transition_function, "HIDDEN_CHUNK_BYTES", 1)
+    sms = transition_function._num_sms(0 if device == "cuda" else None)
+    chunk = transition_function._hidden_chunk_rows(10**6, 24, 48, 4, sms)  # 1 wave
+    rows = 3 * chunk + 77
+    calls = []
+    launch = transition_function._bwd_input_rows
+
+    def counted(r0, n, *args):
+        calls.append((r0, n))
+        launch(r0, n, *args)
+
+    monkeypatch.setattr(transition_function, "_bwd_input_rows", counted)
+    x, params, mask = make_inputs((rows,), 24, 2, dtype, device)
+    check_against_oracle(x, params, mask, dtype)
+    if path == "gemm":
+        assert calls == [(i * chunk, chunk) for i in range(3)] + [(3 * chunk, 77)]
+    else:
+        assert calls == [(0, rows)]
 
 
 def test_fp16_batched_shape(device):
@@ -400,17 +429,14 @@ def test_gpu_fp32_stays_ieee(c, allow_tf32):
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
-        for t in (x, *params.values()):
-            t.requires_grad_(True)
-        y = swiglu_transition(x, *params.values(), mask=mask)
-        y.sum().backward()  # the weight-gradient kernel is the one that failed
-        y = y.detach()
-        y_r = swiglu_transition_reference(
-            x.double(),
-            *(p.detach().double() for p in params.values()),
-            mask=mask.double(),
-        ).detach()
+        dy = torch.randn(x.shape, device="cuda", dtype=torch.float64)
+        y, grads = run(swiglu_transition, x, params, mask, dy)
+        assert torch.backends.cuda.matmul.allow_tf32 == allow_tf32  # restored
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow
-    # TF32 (10-bit mantissa) would miss this by orders of magnitude.
-    assert max_err(y, y_r) <= 1e-4 * y_r.abs().max().item()
+    y_r, grads_r = oracle(x, params, mask, dy)
+    # TF32 (10-bit mantissa) would miss these by orders of magnitude.
+    for name, got, ref in zip(
+        ("y",) + GRAD_NAMES, (y, *grads), (y_r, *grads_r), strict=True
+    ):
+        assert max_err(got, ref) <= 1e-4 * ref.abs().max().item(), name

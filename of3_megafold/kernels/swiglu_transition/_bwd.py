@@ -103,7 +103,7 @@ BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE = tuning_space(
 
 @triton.autotune(
     configs=BWD_INPUT_CONFIGS,
-    key=["C", "H", "NORMALIZE", "HAS_MASK"],
+    key=["C", "H", "NORMALIZE", "HAS_MASK", "STORE_DX", "LN_GRAD", "STORE_HIDDEN"],
     prune_configs_by=BWD_INPUT_PRUNE,
     # The partial buffers have a row per program of the smallest BLOCK_M; configs
     # with a larger one write fewer rows, and benchmarking must not leave stale
@@ -117,11 +117,17 @@ def _swiglu_transition_bwd_input_kernel(
     DX,  # [M, C] written when STORE_DX
     DLN_W_PART,  # [>= programs, C] fp32, row pid written when LN_GRAD
     DLN_B_PART,
+    XN_OUT,  # [M, C] contiguous, compute dtype: xn, written when STORE_HIDDEN
+    DYM_OUT,  # [M, C] contiguous: dy * mask, written when STORE_HIDDEN
+    DAB_OUT,  # [M, 2H] contiguous: [da | db] interleaved like w_ab, STORE_HIDDEN
+    H_OUT,  # [M, H] contiguous: silu(a) * b, written when STORE_HIDDEN
     M, C, H, stride_x, stride_dy, stride_dx,
     NORMALIZE: tl.constexpr,
     HAS_MASK: tl.constexpr,
     STORE_DX: tl.constexpr,
     LN_GRAD: tl.constexpr,
+    NEED_DXN: tl.constexpr,  # STORE_DX or LN_GRAD
+    STORE_HIDDEN: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRETER: tl.constexpr,
@@ -143,6 +149,11 @@ def _swiglu_transition_bwd_input_kernel(
     dy = _masked_grad_rows(
         DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype, INTERPRETER
     )
+    rows64 = rows.to(tl.int64)
+    if STORE_HIDDEN:
+        io_mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(XN_OUT + rows64[:, None] * C + cols[None, :], xn, mask=io_mask)
+        tl.store(DYM_OUT + rows64[:, None] * C + cols[None, :], dy, mask=io_mask)
 
     dxn = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k in range(0, H, BLOCK_H):
@@ -158,7 +169,21 @@ def _swiglu_transition_bwd_input_kernel(
         db = dh * a * sig
         da = dh * b * sig * (1.0 + a * (1.0 - sig))
         dab = _round(_join_ab(da, db, BLOCK_M, BLOCK_H), xn.dtype, INTERPRETER)
-        dxn = _mm(dab, tl.trans(w_ab), dxn, INPUT_PRECISION, INTERPRETER)
+        if STORE_HIDDEN:
+            # What the weight-gradient GEMMs of the launcher read (see function.py)
+            h = _round(a * sig * b, xn.dtype, INTERPRETER)
+            tl.store(
+                H_OUT + rows64[:, None] * H + hid[None, :],
+                h,
+                mask=row_ok[:, None] & h_ok[None, :],
+            )
+            tl.store(
+                DAB_OUT + rows64[:, None] * (2 * H) + hid2[None, :],
+                dab,
+                mask=row_ok[:, None] & (hid2 < 2 * H)[None, :],
+            )
+        if NEED_DXN:
+            dxn = _mm(dab, tl.trans(w_ab), dxn, INPUT_PRECISION, INTERPRETER)
 
     if NORMALIZE:
         # Reloaded rather than kept: the fp32 rows would hold 64 registers per
@@ -179,7 +204,6 @@ def _swiglu_transition_bwd_input_kernel(
     else:
         dx = dxn
     if STORE_DX:
-        rows64 = rows.to(tl.int64)
         tl.store(
             DX + rows64[:, None] * stride_dx + cols[None, :],
             _round(dx, DX.dtype.element_ty, INTERPRETER),

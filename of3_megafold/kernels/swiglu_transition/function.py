@@ -14,6 +14,7 @@ around the fused SwiGLU + ``linear_out`` (both are ``c``-wide and cheap; the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -99,6 +100,46 @@ def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> 
     return max(1, min(num_sms // triton.cdiv(h, block_h), triton.cdiv(m, block_m)))
 
 
+# How the backward computes the weight gradients: "gemm" (the input kernel writes
+# the recomputed hidden tiles of a chunk of rows, cuBLAS reduces them over the rows)
+# or "kernel" (a second Triton kernel recomputes them and reduces in registers).
+WEIGHT_GRAD_PATH = "gemm"
+# Bytes of the per-chunk buffers of the "gemm" path ([rows, 2c + 3H], compute dtype).
+HIDDEN_CHUNK_BYTES = 128 * 2**20
+
+
+def _hidden_chunk_rows(m: int, c: int, h: int, itemsize: int, num_sms: int) -> int:
+    """Rows per chunk of the "gemm" path: whole waves of the input kernel's largest
+    row block (128 rows per program) within :data:`HIDDEN_CHUNK_BYTES`."""
+    wave = 128 * num_sms
+    waves = max(1, HIDDEN_CHUNK_BYTES // ((2 * c + 3 * h) * itemsize * wave))
+    return max(1, min(m, waves * wave))
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmul():
+    """cuBLAS fp32 matmuls without TF32 inside (see ``_kernel_flags``)."""
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in the compute dtype:
+    the product is accumulated in fp32 and added unrounded (cuBLAS's fp32-output
+    GEMM for 16-bit inputs on CUDA; upcast operands elsewhere)."""
+    if a.dtype == torch.float32:
+        with _ieee_fp32_matmul():
+            acc.addmm_(a, b)
+    elif a.is_cuda:
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
 def swiglu_transition_fwd(
     x: torch.Tensor,
     ln_weight: torch.Tensor | None,
@@ -147,6 +188,39 @@ def swiglu_transition_fwd(
     return y, mean, rstd
 
 
+def _bwd_input_rows(
+    r0, rows, min_block_m, x, ln_w, ln_b, w_ab, w_out, mask, dy, mean, rstd, dx,
+    dln_w_part, dln_b_part, hidden, need_dx, need_dln, store_hidden, common,
+) -> None:  # fmt: skip
+    """Launch the input kernel on rows ``[r0, r0 + rows)``: their ``dx`` and LayerNorm
+    partial sums, and with ``store_hidden`` their ``xn, dy * mask, [da | db], h``
+    into the first ``rows`` rows of the ``hidden`` buffers. ``r0`` is a multiple of
+    every candidate ``BLOCK_M``, so the partial-sum rows of the chunk start at
+    ``r0 // min_block_m``."""
+    if rows == 0:
+        return
+    r1 = r0 + rows
+    normalize = common["NORMALIZE"]
+    p0 = r0 // min_block_m if need_dln else 0
+    p1 = p0 + triton.cdiv(rows, min_block_m) if need_dln else 1
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]),)
+
+    xs = x[r0:r1]
+    _swiglu_transition_bwd_input_kernel[grid](
+        xs, ln_w, ln_b, w_ab, w_out,
+        mask[r0:r1] if mask is not None else xs, dy[r0:r1],
+        mean[r0:r1] if normalize else xs, rstd[r0:r1] if normalize else xs,
+        dx[r0:r1] if need_dx else xs, dln_w_part[p0:p1], dln_b_part[p0:p1],
+        *hidden,
+        rows, x.shape[1], w_out.shape[1], x.stride(0), dy.stride(0),
+        dx.stride(0) if need_dx else 0,
+        STORE_DX=need_dx, LN_GRAD=need_dln, NEED_DXN=need_dx or need_dln,
+        STORE_HIDDEN=store_hidden, **common,
+    )  # fmt: skip
+
+
 def swiglu_transition_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -190,7 +264,8 @@ def swiglu_transition_bwd(
     mask_ = mask if mask is not None else x
     dx = dln_w = dln_b = dw_a = dw_b = dw_out = None
 
-    if need_dx or need_dln:
+    by_gemm = (need_dw_ab or need_dw_out) and WEIGHT_GRAD_PATH == "gemm"
+    if need_dx or need_dln or by_gemm:
         dx = torch.empty_like(x) if need_dx else None
         min_block_m = min(
             cfg.kwargs["BLOCK_M"]
@@ -199,22 +274,42 @@ def swiglu_transition_bwd(
         parts = triton.cdiv(m, min_block_m) if need_dln else 1
         dln_w_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
         dln_b_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
-
-        def grid_input(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]),)
-
-        if m > 0:
-            _swiglu_transition_bwd_input_kernel[grid_input](
-                x, ln_w, ln_b, w_ab, w_out, mask_, dy, mean_, rstd_,
-                dx if need_dx else x, dln_w_part, dln_b_part,
-                m, c, h, x.stride(0), dy.stride(0), dx.stride(0) if need_dx else 0,
-                STORE_DX=need_dx, LN_GRAD=need_dln, **common,
+        chunk = max(m, 1)
+        if by_gemm:
+            num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
+            chunk = _hidden_chunk_rows(m, c, h, w_ab.element_size(), num_sms)
+            hidden = [
+                torch.empty((chunk, width), device=dev, dtype=w_ab.dtype)
+                for width in (c, c, 2 * h, h)
+            ]
+            dw_ab_acc = torch.zeros((2 * h, c), device=dev, dtype=torch.float32)
+            dw_out_acc = torch.zeros((c, h), device=dev, dtype=torch.float32)
+        else:
+            hidden = [x] * 4  # unused pointers
+        for r0 in range(0, m, chunk):
+            rows = min(chunk, m - r0)
+            _bwd_input_rows(
+                r0, rows, min_block_m, x, ln_w, ln_b, w_ab, w_out, mask, dy,
+                mean_, rstd_, dx, dln_w_part, dln_b_part, hidden, need_dx,
+                need_dln, by_gemm, common,
             )  # fmt: skip
+            if by_gemm:
+                xn, dym, dab, hid = (t[:rows] for t in hidden)
+                if need_dw_ab:
+                    _add_matmul(dw_ab_acc, dab.t(), xn)
+                if need_dw_out:
+                    _add_matmul(dw_out_acc, dym.t(), hid)
         if need_dln:
             dln_w = dln_w_part.sum(0)
             dln_b = dln_b_part.sum(0)
+        if by_gemm:
+            if need_dw_ab:
+                dw_ab = dw_ab_acc.view(h, 2, c)
+                dw_a, dw_b = dw_ab[:, 0].contiguous(), dw_ab[:, 1].contiguous()
+            if need_dw_out:
+                dw_out = dw_out_acc
 
-    if need_dw_ab or need_dw_out:
+    if (need_dw_ab or need_dw_out) and not by_gemm:
         num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
         splits = max(
             _weight_splits(m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms)
