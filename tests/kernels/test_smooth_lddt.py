@@ -75,14 +75,14 @@ def make_structure(
 def dense_loss_and_grad(x, truth, nuc, mask, weights):
     xr = x.detach().double().requires_grad_()
     loss = smooth_lddt_reference(xr, truth.double(), nuc, mask, upcast=True)
-    (grad,) = torch.autograd.grad((loss * weights.double()).sum(), xr)
+    (grad,) = torch.autograd.grad((loss * weights.to(loss)).sum(), xr)
     return loss.detach(), grad
 
 
 def kernel_loss_and_grad(fn, x, weights, *args, **kwargs):
     xk = x.detach().clone().requires_grad_()
     loss = fn(xk, *args, **kwargs)
-    (grad,) = torch.autograd.grad((loss * weights.to(loss.dtype)).sum(), xk)
+    (grad,) = torch.autograd.grad((loss * weights.to(loss)).sum(), xk)
     return loss.detach(), grad
 
 

@@ -151,18 +151,20 @@ def test_matches_fp64(rows, c, n, dtype, device):
     check_against_oracle(x, params, mask, dtype)
 
 
-@pytest.mark.parametrize("path", ["gemm", "kernel"])
+@pytest.mark.parametrize(
+    "path,chunks", [("gemm", 2), ("kernel", 5), ("auto", 4), ("auto", 5)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_weight_grad_paths_over_row_chunks(path, dtype, device, monkeypatch):
+def test_weight_grad_paths_over_row_chunks(path, chunks, dtype, device, monkeypatch):
     """Both ways of reducing the weight gradients over the rows, the "gemm" one with
-    the rows split into several chunks (and a ragged last one): every gradient
-    against the oracle, and the chunks' LayerNorm partial sums land where the sum
-    reads them."""
+    the rows split into chunks (the last one ragged), and "auto" choosing between
+    them by the number of chunks: every gradient against the oracle, and the
+    chunks' LayerNorm partial sums land where the sum reads them."""
     monkeypatch.setattr(transition_function, "WEIGHT_GRAD_PATH", path)
     monkeypatch.setattr(transition_function, "HIDDEN_CHUNK_BYTES", 1)
     sms = transition_function._num_sms(0 if device == "cuda" else None)
     chunk = transition_function._hidden_chunk_rows(10**6, 24, 48, 4, sms)  # 1 wave
-    rows = 3 * chunk + 77
+    rows = (chunks - 1) * chunk + 77
     calls = []
     launch = transition_function._bwd_input_rows
 
@@ -173,8 +175,12 @@ def test_weight_grad_paths_over_row_chunks(path, dtype, device, monkeypatch):
     monkeypatch.setattr(transition_function, "_bwd_input_rows", counted)
     x, params, mask = make_inputs((rows,), 24, 2, dtype, device)
     check_against_oracle(x, params, mask, dtype)
-    if path == "gemm":
-        assert calls == [(i * chunk, chunk) for i in range(3)] + [(3 * chunk, 77)]
+    by_gemm = path == "gemm" or (  # "auto": from GEMM_MIN_CHUNKS full chunks up
+        path == "auto" and rows >= transition_function.GEMM_MIN_CHUNKS * chunk
+    )
+    if by_gemm:
+        full = [(i * chunk, chunk) for i in range(chunks - 1)]
+        assert calls == full + [((chunks - 1) * chunk, 77)]
     else:
         assert calls == [(0, rows)]
 

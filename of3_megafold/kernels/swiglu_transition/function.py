@@ -100,12 +100,22 @@ def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> 
     return max(1, min(num_sms // triton.cdiv(h, block_h), triton.cdiv(m, block_m)))
 
 
-# How the backward computes the weight gradients: "gemm" (the input kernel writes
-# the recomputed hidden tiles of a chunk of rows, cuBLAS reduces them over the rows)
-# or "kernel" (a second Triton kernel recomputes them and reduces in registers).
-WEIGHT_GRAD_PATH = "gemm"
+# How the backward reduces the weight gradients over the rows:
+# - "gemm": the input kernel, which recomputes ``[a | b]`` and ``dh`` for ``dx``
+#   anyway, also writes them (as ``[da | db]``, ``h``, with ``xn`` and the masked
+#   ``dy``) for a chunk of rows, and two cuBLAS GEMMs with fp32 output reduce the
+#   chunk: 8 GEMM-equivalents of backward work instead of 11, at the price of
+#   ``HIDDEN_CHUNK_BYTES`` of buffers and a few launches per chunk;
+# - "kernel": ``_swiglu_transition_bwd_weight_kernel`` recomputes them a second time
+#   and reduces in registers (no buffers, one launch);
+# - "auto": "gemm" from ``GEMM_MIN_CHUNKS`` chunks of rows up, else "kernel". On the
+#   H200 the "gemm" backward of the pair transition was 30% faster at N = 768 and
+#   40% slower at N = 384, where its per-chunk host work is not hidden
+#   (docs/benchmarks.md, session 8).
+WEIGHT_GRAD_PATH = "auto"
+GEMM_MIN_CHUNKS = 4
 # Bytes of the per-chunk buffers of the "gemm" path ([rows, 2c + 3H], compute dtype).
-HIDDEN_CHUNK_BYTES = 128 * 2**20
+HIDDEN_CHUNK_BYTES = 256 * 2**20
 
 
 def _hidden_chunk_rows(m: int, c: int, h: int, itemsize: int, num_sms: int) -> int:
@@ -264,7 +274,13 @@ def swiglu_transition_bwd(
     mask_ = mask if mask is not None else x
     dx = dln_w = dln_b = dw_a = dw_b = dw_out = None
 
-    by_gemm = (need_dw_ab or need_dw_out) and WEIGHT_GRAD_PATH == "gemm"
+    by_gemm = False
+    if need_dw_ab or need_dw_out:
+        num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
+        chunk = _hidden_chunk_rows(m, c, h, w_ab.element_size(), num_sms)
+        by_gemm = WEIGHT_GRAD_PATH == "gemm" or (
+            WEIGHT_GRAD_PATH == "auto" and m >= GEMM_MIN_CHUNKS * chunk
+        )
     if need_dx or need_dln or by_gemm:
         dx = torch.empty_like(x) if need_dx else None
         min_block_m = min(
@@ -274,10 +290,7 @@ def swiglu_transition_bwd(
         parts = triton.cdiv(m, min_block_m) if need_dln else 1
         dln_w_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
         dln_b_part = torch.zeros((parts, c), device=dev, dtype=torch.float32)
-        chunk = max(m, 1)
         if by_gemm:
-            num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
-            chunk = _hidden_chunk_rows(m, c, h, w_ab.element_size(), num_sms)
             hidden = [
                 torch.empty((chunk, width), device=dev, dtype=w_ab.dtype)
                 for width in (c, c, 2 * h, h)
@@ -285,6 +298,7 @@ def swiglu_transition_bwd(
             dw_ab_acc = torch.zeros((2 * h, c), device=dev, dtype=torch.float32)
             dw_out_acc = torch.zeros((c, h), device=dev, dtype=torch.float32)
         else:
+            chunk = max(m, 1)
             hidden = [x] * 4  # unused pointers
         for r0 in range(0, m, chunk):
             rows = min(chunk, m - r0)
@@ -310,7 +324,6 @@ def swiglu_transition_bwd(
                 dw_out = dw_out_acc
 
     if (need_dw_ab or need_dw_out) and not by_gemm:
-        num_sms = _num_sms(dev.index if dev.type == "cuda" else None)
         splits = max(
             _weight_splits(m, h, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_H"], num_sms)
             for cfg in _candidate_configs(BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE, w_ab)
