@@ -86,11 +86,16 @@ def kernel_loss_and_grad(fn, x, weights, *args, **kwargs):
     return loss.detach(), grad
 
 
-def assert_close_rel(got, want, rtol, what):
+def rel_err(got, want) -> float:
+    """Largest error relative to max |want|."""
     got = got.double().cpu()
     want = want.double().cpu()
     scale = want.abs().max().clamp_min(1e-12)
-    err = (got - want).abs().max() / scale
+    return float((got - want).abs().max() / scale)
+
+
+def assert_close_rel(got, want, rtol, what):
+    err = rel_err(got, want)
     assert err <= rtol, (
         f"{what}: max error {err:.3e} (relative to max |ref|) > {rtol:.1e}"
     )
@@ -455,12 +460,13 @@ def replicated_structure(device: str):
     nuc[::7] = True
     mask = torch.ones(n)
     mask[::11] = 0
-    return {
+    fields = {
         "x": x[None],
         "truth": truth[None, None],
         "nuc": nuc[None],
         "mask": mask[None, None],
     }
+    return {name: t.to(device) for name, t in fields.items()}
 
 
 SAMPLING_COPIES = 320
@@ -622,7 +628,12 @@ def test_gpu_fused_and_ball_query_large(n):
     ref_loss, ref_grad = dense_loss_and_grad(x, truth, nuc, mask, w)
     loss, grad = kernel_loss_and_grad(smooth_lddt_fused, x, w, truth, nuc, mask)
     assert_close_rel(loss, ref_loss, 1e-5, "fused loss")
-    assert_close_rel(grad, ref_grad, 1e-4, "fused grad")
+    # At N=3329 a pair sits on an inclusion cutoff that fp32 and fp64 decide
+    # differently (session 5): OF3's own fp32 dense loss is then 7.8e-4 off the fp64
+    # gradient. The project's rule: at most 2x OF3's fp32 error, or 1e-4.
+    _, of3_grad = kernel_loss_and_grad(smooth_lddt_reference, x, w, truth, nuc, mask)
+    grad_tol = max(1e-4, 2 * rel_err(of3_grad, ref_grad))
+    assert_close_rel(grad, ref_grad, grad_tol, "fused grad")
     again = kernel_loss_and_grad(smooth_lddt_fused, x, w, truth, nuc, mask)
     assert torch.equal(again[0], loss) and torch.equal(again[1], grad)
 

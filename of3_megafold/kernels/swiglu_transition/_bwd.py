@@ -14,19 +14,23 @@ gradients want a sum over all rows for each hidden unit. One schedule cannot hol
 both sums in registers (the weight gradients of one c=128, n=4 transition are
 768 KiB in fp32), and flushing partial weight gradients per row block (atomics or
 read-modify-write) moves more data through L2 than recomputing ``a, b, dh`` costs
-in tensor-core time. So there are two kernels, the split flash-attention's
-backward makes between dQ and dK/dV:
+in tensor-core time. So the reductions are split, as flash-attention's backward
+splits dQ from dK/dV:
 
 * ``_swiglu_transition_bwd_input_kernel``: a program per ``BLOCK_M`` rows loops over
   hidden chunks, accumulates ``dxn = [da | db] w_ab`` in fp32 registers, then does
   the LayerNorm backward in place and writes ``dx`` plus per-program partial sums
   for the LayerNorm scale/offset gradients. Three matmuls per chunk
   (``xn w_ab^T``, ``dy w_out``, ``[da | db] w_ab``), 5 GEMM-equivalents of work.
-* ``_swiglu_transition_bwd_weight_kernel``: a program per (hidden chunk, row split)
-  keeps ``dw_ab`` and ``dw_out`` of its chunk in fp32 registers while it walks its
-  share of the row blocks, and writes them to a per-split partial buffer that the
-  launcher sums (deterministic, no atomics). Four matmuls per row block, 6
-  GEMM-equivalents.
+  With ``STORE_HIDDEN`` it also writes ``xn``, the masked ``dy``, ``[da | db]`` and
+  ``h`` of its rows, which the launcher's cuBLAS GEMMs reduce over a chunk of rows
+  into the weight gradients (the "gemm" path of ``function.py``: 3 more
+  GEMM-equivalents, nothing recomputed twice).
+* ``_swiglu_transition_bwd_weight_kernel`` (the "kernel" path, for fewer rows): a
+  program per (hidden chunk, row split) recomputes ``a, b, dh`` and keeps ``dw_ab``
+  and ``dw_out`` of its chunk in fp32 registers while it walks its share of the row
+  blocks, and writes them to a per-split partial buffer that the launcher sums
+  (deterministic, no atomics). Four matmuls per row block, 6 GEMM-equivalents.
 """
 
 from __future__ import annotations

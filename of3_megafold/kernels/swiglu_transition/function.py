@@ -1,10 +1,12 @@
 """Launchers, autograd function and functional API of the fused SwiGLU transition.
 
 ``swiglu_transition(x, ...)`` computes OF3's ``SwiGLUTransition._transition``
-(``y = (silu(LN(x) w_a^T) * (LN(x) w_b^T)) w_out^T * mask``) in three Triton kernels
-(one forward, two backward; see ``_fwd.py`` and ``_bwd.py`` for the schedules).
-The forward pass keeps only ``x`` and the fp32 per-row LayerNorm mean and rstd;
-nothing ``n*c`` wide is ever written to global memory.
+(``y = (silu(LN(x) w_a^T) * (LN(x) w_b^T)) w_out^T * mask``) in Triton kernels (one
+forward, one or two backward; see ``_fwd.py`` and ``_bwd.py`` for the schedules)
+and, for the weight gradients over many rows, two cuBLAS GEMMs per chunk of rows
+(:data:`WEIGHT_GRAD_PATH`). The forward pass keeps only ``x`` and the fp32 per-row
+LayerNorm mean and rstd; nothing ``n*c`` wide outlives the backward's chunk of rows
+(at most :data:`HIDDEN_CHUNK_BYTES`).
 
 ``swiglu_mlp(x, ...)`` is the same core without the LayerNorm, for OF3's
 ``ConditionedTransitionBlock``: its AdaLN and its sigmoid output gate stay in torch
