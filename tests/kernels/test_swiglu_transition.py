@@ -426,11 +426,14 @@ def test_gpu_production_shapes(shape, c, n, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["kernel", "gemm"])
 @pytest.mark.parametrize("allow_tf32", [False, True])
 @pytest.mark.parametrize("c", [128, 32])
-def test_gpu_fp32_stays_ieee(c, allow_tf32):
-    """fp32 runs IEEE dots even with TF32 allowed globally: forward and backward.
-    c = 32 with TF32 allowed is the case Triton 3.6 failed to compile on an H200."""
+def test_gpu_fp32_stays_ieee(c, allow_tf32, path, monkeypatch):
+    """fp32 runs IEEE dots even with TF32 allowed globally: forward and backward,
+    with either weight-gradient path (the "gemm" one runs cuBLAS). c = 32 with TF32
+    allowed is the case Triton 3.6 failed to compile on an H200."""
+    monkeypatch.setattr(transition_function, "WEIGHT_GRAD_PATH", path)
     x, params, mask = make_inputs((2048,), c, 4, torch.float32, "cuda")
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
