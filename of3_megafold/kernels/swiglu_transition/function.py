@@ -110,10 +110,10 @@ def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> 
 #   ``HIDDEN_CHUNK_BYTES`` of buffers and a few launches per chunk;
 # - "kernel": ``_swiglu_transition_bwd_weight_kernel`` recomputes them a second time
 #   and reduces in registers (no buffers, one launch);
-# - "auto": "gemm" from ``GEMM_MIN_CHUNKS`` chunks of rows up, else "kernel". On the
-#   H200 the "gemm" backward of the pair transition was 30% faster at N = 768 and
-#   40% slower at N = 384, where its per-chunk host work is not hidden
-#   (docs/benchmarks.md, session 8).
+# - "auto": "gemm" from ``GEMM_MIN_CHUNKS`` full chunks of rows up, else "kernel".
+#   On the H200 (one run, docs/benchmarks.md, session 8) the pair transition's
+#   forward + backward took 3.29 ms with "gemm" against 5.36 with "kernel" at
+#   N = 768, but 1.62 against 1.46 at N = 384 (3 chunks).
 WEIGHT_GRAD_PATH = "auto"
 GEMM_MIN_CHUNKS = 4
 # Bytes of the per-chunk buffers of the "gemm" path ([rows, 2c + 3H], compute dtype).
