@@ -17,6 +17,7 @@ and the peak memory of one forward + backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -50,8 +51,18 @@ FLOORS = {
 }
 DEVICE = "cuda"
 WEIGHT_GRAD_PATHS = ("kernel", "gemm")
-DEFAULT_PATH = transition_function.WEIGHT_GRAD_PATH
 NAMES = ("y", "dx", "dln_w", "dln_b", "dw_a", "dw_b", "dw_out")
+
+
+@contextlib.contextmanager
+def weight_grad_path(path: str | None):
+    """The transition backward forced onto ``path`` (``None``: as configured)."""
+    default = transition_function.WEIGHT_GRAD_PATH
+    transition_function.WEIGHT_GRAD_PATH = path or default
+    try:
+        yield
+    finally:
+        transition_function.WEIGHT_GRAD_PATH = default
 
 
 def make(m, c, n, dtype, seed=0):
@@ -146,17 +157,15 @@ def timing(n_res: int) -> None:
     t = bench(lambda: bwd(need_dw_ab=False, need_dw_out=False))
     rows.append(("bwd input kernel", t, 5 * gemm, _swiglu_transition_bwd_input_kernel))
     for path in WEIGHT_GRAD_PATHS:
-        transition_function.WEIGHT_GRAD_PATH = path
         # weights alone: 3 GEMMs recomputing [a | b] and dh, then 3 reducing over
         # the rows (either path); everything: "kernel" adds the input kernel's 5,
         # "gemm" recomputes only once (input kernel 5 + cuBLAS 3)
-        t = bench(lambda: bwd(need_dx=False, need_dln=False))
-        rows.append((f"bwd weights [{path}]", t, 6 * gemm, None))
-        t = bench(lambda: bwd())
-        rows.append(
-            (f"bwd all [{path}]", t, (11 if path == "kernel" else 8) * gemm, None)
-        )
-    transition_function.WEIGHT_GRAD_PATH = DEFAULT_PATH
+        with weight_grad_path(path):
+            t_weights = bench(lambda: bwd(need_dx=False, need_dln=False))
+            t_all = bench(lambda: bwd())
+        rows.append((f"bwd weights [{path}]", t_weights, 6 * gemm, None))
+        work = (11 if path == "kernel" else 8) * gemm
+        rows.append((f"bwd all [{path}]", t_all, work, None))
     print(f"\npair transition x {list(shape)} bf16; TFLOP/s = matmul flops executed")
     for name, t, flops, kernel in rows:
         cfg = getattr(kernel, "best_config", "")
@@ -185,15 +194,14 @@ def timing(n_res: int) -> None:
 
     print("  fwd+bwd (9 GEMMs of useful work):")
     steps = [(f"kit [{path}]", path, kit_step) for path in WEIGHT_GRAD_PATHS]
-    steps.append(("of3-eager", DEFAULT_PATH, eager_step))
+    steps.append(("of3-eager", None, eager_step))
     for name, path, step in steps:
-        transition_function.WEIGHT_GRAD_PATH = path
-        t = bench(step)
-        mib = peak_mib(step)
+        with weight_grad_path(path):
+            t = bench(step)
+            mib = peak_mib(step)
         print(
             f"  {name:18} {t:7.3f} ms {9 * gemm / t / 1e9:6.0f} TFLOP/s {mib:7.0f} MiB"
         )
-    transition_function.WEIGHT_GRAD_PATH = DEFAULT_PATH
 
 
 def main() -> None:
@@ -205,18 +213,13 @@ def main() -> None:
           triton.__version__)  # fmt: skip
     ok = True
     if not args.no_check:
+        shapes = ((4099, 128, 4), (3001, 64, 2), (1000, 64, 4), (40000, 128, 4))
         for path in WEIGHT_GRAD_PATHS:
-            transition_function.WEIGHT_GRAD_PATH = path
             print(f"weight gradients: {path}")
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                for m, c, n in (
-                    (4099, 128, 4),
-                    (3001, 64, 2),
-                    (1000, 64, 4),
-                    (40000, 128, 4),
-                ):
-                    ok &= check(m, c, n, dtype)
-        transition_function.WEIGHT_GRAD_PATH = DEFAULT_PATH
+            with weight_grad_path(path):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    for m, c, n in shapes:
+                        ok &= check(m, c, n, dtype)
     for n_res in args.n:
         timing(n_res)
     sys.exit(0 if ok else 1)

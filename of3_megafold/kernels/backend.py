@@ -33,6 +33,21 @@ def runs_on(t: torch.Tensor) -> bool:
     return t.is_cuda or (interpreter_enabled() and t.device.type == "cpu")
 
 
+@contextlib.contextmanager
+def cuda_tf32(enabled: bool):
+    """Context in which torch's CUDA fp32 matmuls use TF32 iff ``enabled``
+    (``torch.backends.cuda.matmul.allow_tf32``), restored on exit."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_tf32
+    matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = previous
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Context that makes ``t``'s CUDA device the current one (Triton launches on
     the current device); does nothing for CPU tensors."""

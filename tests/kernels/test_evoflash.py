@@ -7,13 +7,13 @@ the tuned kernels at OF3's call-site shapes.
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from of3_megafold.kernels.backend import cuda_tf32
 from of3_megafold.kernels.evoflash import (
     configs,
     evoflash_attention,
@@ -103,16 +103,6 @@ def _kind(case: Case) -> str:
     return "tf32" if on_gpu and not case.high_precision else "fp32"
 
 
-@contextlib.contextmanager
-def _torch_matmul_precision(tf32: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def _outputs(fn, q, k, v, mask_bias, pair_bias, do):
     """Output and gradients (q, k, v, pair_bias) of ``fn``."""
     o = fn(q, k, v, mask_bias, pair_bias)
@@ -141,7 +131,7 @@ def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = Tru
 
     kind = _kind(case)
     got = _outputs(kernel, q, k, v, mask_bias, pair_bias, do)
-    with _torch_matmul_precision(kind == "tf32"):
+    with cuda_tf32(kind == "tf32"):
         base = _outputs(plain, q, k, v, mask_bias, pair_bias, do)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     bias64 = (pair_bias.detach().double().requires_grad_()
@@ -216,13 +206,15 @@ def test_one_slice_per_program(device, monkeypatch):
         ), (name, launched)
 
 
-# fp32 inputs without high precision take TF32 dots on a GPU (10-bit mantissa:
-# ~5e-4 relative per product; the H200 showed gradient errors up to 4e-3 at these
-# sizes) and IEEE fp32 ones under the interpreter. A wrong answer in the tests that
-# use this (weights not uniform, a gradient zeroed or missing a term) is off by
-# O(0.1); precision itself is what the 2x-torch tests above check.
-FP32_DOT_TOL = (dict(atol=1e-5, rtol=1e-4) if configs.INTERPRET
-                else dict(atol=1e-2, rtol=1e-2))
+def fp32_tol(atol: float, rtol: float) -> dict:
+    """``assert_close`` tolerances for fp32 inputs without high precision: these
+    under the interpreter's IEEE fp32 dots; on a GPU the kernels take TF32 dots
+    (10-bit mantissa: ~5e-4 relative per product; the H200 showed gradient errors up
+    to 4e-3 at these sizes), so 1e-2. A wrong answer in the tests that use this
+    (weights not uniform, a gradient zeroed or missing a term) is off by O(0.1);
+    precision itself is what the 2x-torch tests above check."""
+    return dict(atol=atol, rtol=rtol) if configs.INTERPRET else dict(atol=1e-2,
+                                                                     rtol=1e-2)
 
 
 def test_fully_masked_slice_is_uniform(device):
@@ -234,12 +226,12 @@ def test_fully_masked_slice_is_uniform(device):
     mask_bias[:, 1] = -INF
     o = evoflash_attention(q, k, v, mask_bias, pair_bias)
     torch.testing.assert_close(o[:, 1], v[:, 1].mean(dim=1, keepdim=True).expand_as(
-        o[:, 1]), **FP32_DOT_TOL)
+        o[:, 1]), **fp32_tol(1e-5, 1e-5))
     dq = torch.autograd.grad(o, q, do)[0]
     o_ref = evoflash_attention_reference(q, k, v, mask_bias, pair_bias)
     dq_ref = torch.autograd.grad(o_ref, q, do)[0]
     assert dq[:, 1].abs().max() > 1e-3  # not silently zeroed
-    torch.testing.assert_close(dq, dq_ref, **FP32_DOT_TOL)
+    torch.testing.assert_close(dq, dq_ref, **fp32_tol(1e-5, 1e-4))
 
 
 def test_minus_inf_mask_gives_uniform_weights(device):
@@ -251,11 +243,11 @@ def test_minus_inf_mask_gives_uniform_weights(device):
     mask_bias[:, 0, ..., 3] = float("-inf")
     o = evoflash_attention(q, k, v, mask_bias, pair_bias)
     torch.testing.assert_close(o[:, 1], v[:, 1].mean(dim=1, keepdim=True).expand_as(
-        o[:, 1]), **FP32_DOT_TOL)
+        o[:, 1]), **fp32_tol(1e-5, 1e-5))
     finite = mask_bias.clamp(min=-INF)
     torch.testing.assert_close(o, evoflash_attention_reference(q, k, v, finite,
                                                                pair_bias),
-                               **FP32_DOT_TOL)
+                               **fp32_tol(1e-5, 1.3e-6))  # assert_close's fp32
     grads = torch.autograd.grad(o, (q, k, v, pair_bias), do)
     assert all(torch.isfinite(g).all() for g in grads)
 
@@ -275,9 +267,7 @@ def test_only_requested_gradients(wanted, device):
     o64 = evoflash_attention_reference(full[0], full[1], full[2], mask_bias, full[3])
     want = torch.autograd.grad(o64, leaves64, do.double())
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g.double(), w,
-                                   **(dict(atol=1e-4, rtol=1e-4) if configs.INTERPRET
-                                      else FP32_DOT_TOL))
+        torch.testing.assert_close(g.double(), w, **fp32_tol(1e-4, 1e-4))
 
 
 def test_mask_gets_no_gradient(device):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from of3_megafold.kernels.backend import cuda_tf32
 from of3_megafold.kernels.swiglu_transition import (
     SwiGLUTransitionFunction,
     swiglu_mlp,
@@ -435,14 +436,10 @@ def test_gpu_fp32_stays_ieee(c, allow_tf32, path, monkeypatch):
     allowed is the case Triton 3.6 failed to compile on an H200."""
     monkeypatch.setattr(transition_function, "WEIGHT_GRAD_PATH", path)
     x, params, mask = make_inputs((2048,), c, 4, torch.float32, "cuda")
-    allow = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
+    with cuda_tf32(allow_tf32):
         dy = torch.randn(x.shape, device="cuda", dtype=torch.float64)
         y, grads = run(swiglu_transition, x, params, mask, dy)
         assert torch.backends.cuda.matmul.allow_tf32 == allow_tf32  # restored
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allow
     y_r, grads_r = oracle(x, params, mask, dy)
     # TF32 (10-bit mantissa) would miss these by orders of magnitude.
     for name, got, ref in zip(

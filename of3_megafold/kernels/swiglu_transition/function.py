@@ -16,14 +16,13 @@ around the fused SwiGLU + ``linear_out`` (both are ``c``-wide and cheap; the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
 import torch
 import triton
 
-from of3_megafold.kernels.backend import interpreter_enabled, runs_on
+from of3_megafold.kernels.backend import cuda_tf32, interpreter_enabled, runs_on
 from of3_megafold.kernels.swiglu_transition._bwd import (
     BWD_INPUT_CONFIGS,
     BWD_INPUT_PRUNE,
@@ -128,23 +127,12 @@ def _hidden_chunk_rows(m: int, c: int, h: int, itemsize: int, num_sms: int) -> i
     return max(1, min(m, waves * wave))
 
 
-@contextlib.contextmanager
-def _ieee_fp32_matmul():
-    """cuBLAS fp32 matmuls without TF32 inside (see ``_kernel_flags``)."""
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-
-
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in the compute dtype:
     the product is accumulated in fp32 and added unrounded (cuBLAS's fp32-output
     GEMM for 16-bit inputs on CUDA; upcast operands elsewhere)."""
     if a.dtype == torch.float32:
-        with _ieee_fp32_matmul():
+        with cuda_tf32(False):  # IEEE fp32, as the kernels (see ``_kernel_flags``)
             acc.addmm_(a, b)
     elif a.is_cuda:
         acc.add_(torch.mm(a, b, out_dtype=torch.float32))
@@ -206,26 +194,22 @@ def _bwd_input_rows(
 ) -> None:  # fmt: skip
     """Launch the input kernel on rows ``[r0, r0 + rows)``: their ``dx`` and LayerNorm
     partial sums, and with ``store_hidden`` their ``xn, dy * mask, [da | db], h``
-    into the first ``rows`` rows of the ``hidden`` buffers. ``r0`` is a multiple of
-    every candidate ``BLOCK_M``, so the partial-sum rows of the chunk start at
-    ``r0 // min_block_m``."""
+    into the first ``rows`` rows of the ``hidden`` buffers. The per-row tensors
+    (``x, mask, dy, mean, rstd, dx``; ``x`` standing in for an unused one) are
+    sliced to those rows. ``r0`` is a multiple of every candidate ``BLOCK_M``, so the
+    partial-sum rows of the chunk start at ``r0 // min_block_m``."""
     if rows == 0:
         return
-    r1 = r0 + rows
-    normalize = common["NORMALIZE"]
+    span = slice(r0, r0 + rows)
     p0 = r0 // min_block_m if need_dln else 0
     p1 = p0 + triton.cdiv(rows, min_block_m) if need_dln else 1
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]),)
 
-    xs = x[r0:r1]
     _swiglu_transition_bwd_input_kernel[grid](
-        xs, ln_w, ln_b, w_ab, w_out,
-        mask[r0:r1] if mask is not None else xs, dy[r0:r1],
-        mean[r0:r1] if normalize else xs, rstd[r0:r1] if normalize else xs,
-        dx[r0:r1] if need_dx else xs, dln_w_part[p0:p1], dln_b_part[p0:p1],
-        *hidden,
+        x[span], ln_w, ln_b, w_ab, w_out, mask[span], dy[span], mean[span],
+        rstd[span], dx[span], dln_w_part[p0:p1], dln_b_part[p0:p1], *hidden,
         rows, x.shape[1], w_out.shape[1], x.stride(0), dy.stride(0),
         dx.stride(0) if need_dx else 0,
         STORE_DX=need_dx, LN_GRAD=need_dln, NEED_DXN=need_dx or need_dln,
@@ -274,7 +258,7 @@ def swiglu_transition_bwd(
     mean_ = mean if normalize else x
     rstd_ = rstd if normalize else x
     mask_ = mask if mask is not None else x
-    dx = dln_w = dln_b = dw_a = dw_b = dw_out = None
+    dx = dln_w = dln_b = dw_a = dw_b = dw_ab = dw_out = None
 
     by_gemm = False
     if need_dw_ab or need_dw_out:
@@ -305,9 +289,9 @@ def swiglu_transition_bwd(
         for r0 in range(0, m, chunk):
             rows = min(chunk, m - r0)
             _bwd_input_rows(
-                r0, rows, min_block_m, x, ln_w, ln_b, w_ab, w_out, mask, dy,
-                mean_, rstd_, dx, dln_w_part, dln_b_part, hidden, need_dx,
-                need_dln, by_gemm, common,
+                r0, rows, min_block_m, x, ln_w, ln_b, w_ab, w_out, mask_, dy,
+                mean_, rstd_, dx if need_dx else x, dln_w_part, dln_b_part, hidden,
+                need_dx, need_dln, by_gemm, common,
             )  # fmt: skip
             if by_gemm:
                 xn, dym, dab, hid = (t[:rows] for t in hidden)
@@ -319,11 +303,7 @@ def swiglu_transition_bwd(
             dln_w = dln_w_part.sum(0)
             dln_b = dln_b_part.sum(0)
         if by_gemm:
-            if need_dw_ab:
-                dw_ab = dw_ab_acc.view(h, 2, c)
-                dw_a, dw_b = dw_ab[:, 0].contiguous(), dw_ab[:, 1].contiguous()
-            if need_dw_out:
-                dw_out = dw_out_acc
+            dw_ab, dw_out = dw_ab_acc, dw_out_acc
 
     if (need_dw_ab or need_dw_out) and not by_gemm:
         splits = max(
@@ -348,12 +328,11 @@ def swiglu_transition_bwd(
                 m, c, h, x.stride(0), dy.stride(0),
                 NEED_DW_AB=need_dw_ab, NEED_DW_OUT=need_dw_out, **common,
             )  # fmt: skip
-        if need_dw_ab:
-            dw_ab = dw_ab_part.sum(0).view(h, 2, c)
-            dw_a, dw_b = dw_ab[:, 0].contiguous(), dw_ab[:, 1].contiguous()
-        if need_dw_out:
-            dw_out = dw_out_part.sum(0)
-    return dx, dln_w, dln_b, dw_a, dw_b, dw_out
+        dw_ab, dw_out = dw_ab_part.sum(0), dw_out_part.sum(0)
+
+    if need_dw_ab:  # [2H, c] with w_a's rows even and w_b's odd (interleave_ab)
+        dw_a, dw_b = (g.contiguous() for g in dw_ab.view(h, 2, c).unbind(1))
+    return dx, dln_w, dln_b, dw_a, dw_b, dw_out if need_dw_out else None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
