@@ -202,6 +202,30 @@ def timing(n_res: int) -> None:
         print(
             f"  {name:18} {t:7.3f} ms {9 * gemm / t / 1e9:6.0f} TFLOP/s {mib:7.0f} MiB"
         )
+    _bench_harness(n_res, 9 * gemm)
+
+
+def _bench_harness(n_res: int, flops: float) -> None:
+    """The kit and OF3's eager module timed by ``of3-megafold bench transition``'s
+    own code (its module, inputs and ``timed_peak``) in this process, so a gap
+    between that benchmark and the timings above can be told apart from a
+    difference between processes or runs."""
+    from of3_megafold.bench import transition as bench_transition
+    from of3_megafold.bench.common import timed_peak
+
+    shape = (1, n_res, n_res, 128)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    dy = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
+    mask = (torch.rand(shape[:-1], generator=gen) > 0.1).to(DEVICE, torch.bfloat16)
+    module = bench_transition._module(128, 4, torch.device(DEVICE))
+    print("  bench harness (of3_megafold.bench.transition, same process):")
+    for provider in ("kit", "of3-eager", "kit"):
+        timing_ = timed_peak(bench_transition._step_fn(provider, module, x, mask, dy))
+        print(
+            f"  {provider:18} {timing_.ms:7.3f} ms {flops / timing_.ms / 1e9:6.0f}"
+            f" TFLOP/s {timing_.peak_mib:7.0f} MiB"
+        )
 
 
 def main() -> None:
