@@ -5,6 +5,8 @@ Usage (on the GPU machine, from the repository root)::
     python scripts/gpu_check_evoflash.py              # checks + timings (~2 min)
     python scripts/gpu_check_evoflash.py --no-check   # timings only
     python scripts/gpu_check_evoflash.py --sizes 1024 # triangle sizes to time
+    python scripts/gpu_check_evoflash.py --no-check --wide --sizes --providers kit
+                                                      # tune over a wider config list
 
 Correctness: the key cases of the ``gpu`` tests (N = 129 and 300, S = 4 and 48, the
 three OF3 call-site shapes, fp32/tf32, bf16, fp16, high precision, the atomic dQ
@@ -14,7 +16,10 @@ error in the same precision + a small floor.
 Timing (``triton.testing.do_bench`` median, forward + backward, bf16): the kit
 (deterministic and atomic), SDPA memory-efficient with the bias expanded over S,
 OF3's Triton kernel; then each kit kernel's autotuning table (ms per config) at the
-shapes timed, which is what the config lists are tuned from.
+shapes timed, which is what the config lists are tuned from. ``--wide`` tunes
+every kernel afresh over a wider grid of tile shapes, S pairing, warps and stages
+than ``configs`` lists (no shipped choices, no on-disk cache), to find out whether
+the short lists miss a faster configuration.
 """
 
 from __future__ import annotations
@@ -70,6 +75,40 @@ def run_checks() -> bool:
     ok &= same
     print(f"deterministic backward bitwise reproducible: {same}")
     return ok
+
+
+def _grid(tiles, s_groups, stages):
+    return [
+        triton.Config(
+            {"BLOCK_M": m, "BLOCK_N": n} | ({} if g is None else {"S_GROUP": g}),
+            num_warps=4 if m * n <= 64 * 64 else 8,
+            num_stages=st,
+        )
+        for m, n in tiles
+        for g in (s_groups or [None])
+        for st in stages
+    ]
+
+
+def widen_tuning() -> None:
+    """Every kernel tuned afresh over a wider bf16 grid (see the module docstring)."""
+    rows = [(64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    cols = [(32, 64), (64, 64), (128, 64), (32, 128), (64, 128), (128, 128)]
+    wide = {
+        "fwd": _grid(rows, [1, 2], [2, 3]),
+        "dq": _grid(rows, [1, 2], [2, 3]),
+        "dkdv": _grid(cols, [1, 2], [2, 3]),
+        "dbias": _grid([(32, 64), (64, 32), (64, 64), (128, 64), (64, 128)], None,
+                       [2, 3]),
+    }
+    for name, tuner in TUNED.items():
+        tuner.configs = wide[name]
+        tuner.cache = {}
+        tuner.cache_results = False
+        launcher = getattr(evoflash_function, f"_{name}")
+        launcher._load_presets = None
+        launcher._presets = None
+        launcher._chosen.clear()
 
 
 def time_shape(name: str, shape, providers) -> None:
@@ -134,7 +173,15 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="*", default=[512, 1024])
     parser.add_argument("--providers", nargs="*",
                         default=["kit", "kit-atomic", "sdpa", "of3-triton"])
+    parser.add_argument("--wide", action="store_true",
+                        help="tune over a wider config grid first")
+    parser.add_argument("--diffusion", action=argparse.BooleanOptionalAction,
+                        default=True, help="time the diffusion shape")
+    parser.add_argument("--trunk", action=argparse.BooleanOptionalAction,
+                        default=True, help="time the trunk single-attention shape")
     args = parser.parse_args()
+    if args.wide:
+        widen_tuning()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)
     ok = True
@@ -142,7 +189,9 @@ def main() -> int:
         ok = run_checks()
     for n in args.sizes:
         time_shape("triangle", (1, n, n, 4, 32), args.providers)
-    for shape in ((1, 48, 768, 16, 48), (1, 1, 768, 16, 24)):
+    shapes = [(1, 48, 768, 16, 48)] * args.diffusion
+    shapes += [(1, 1, 768, 16, 24)] * args.trunk
+    for shape in shapes:
         time_shape("diffusion" if shape[1] > 1 else "trunk", shape, args.providers)
     print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
