@@ -5,6 +5,10 @@ Tuned for the H200 (sm_90, 132 SMs, 60 MB L2) at OF3's shapes: triangle attentio
 attention ``[1, 1, N, 16, 24]``. The lists are short on purpose (compile time): a
 few tile shapes around 64/128, 4 or 8 warps, 2 or 3 stages, with and without
 pairing two S slices per program (``S_GROUP``, which halves the pair-bias traffic).
+The last entries of the bf16 lists (4 warps, 3 stages, small tiles) are the winners
+of a wider sweep on the H200 in session 9 (``scripts/gpu_check_evoflash.py --wide``,
+docs/benchmarks.md): at triangle N=1024 and diffusion S=48 N=768 they beat every
+earlier entry, by up to a third (the dbias kernel at N=1024).
 
 The autotuning key is (head-dim block, heads, dtypes, bucketed N, bucketed S, flags),
 so a training run tunes once per crop-size bucket, not once per crop size; with
@@ -37,12 +41,18 @@ FWD_CONFIGS = [
     _cfg(64, 64, 2, 4, 2),
     _cfg(128, 128, 1, 8, 2),
     _cfg(64, 128, 2, 4, 2),
+    _cfg(64, 64, 1, 4, 3),
+    _cfg(128, 32, 1, 4, 3),
+    _cfg(64, 64, 2, 4, 3),
 ]
 DQ_CONFIGS = [
     _cfg(128, 64, 2, 8, 2),
     _cfg(128, 64, 1, 8, 2),
     _cfg(64, 64, 2, 4, 2),
     _cfg(64, 128, 1, 4, 2),
+    _cfg(64, 32, 1, 4, 3),
+    _cfg(64, 32, 2, 4, 3),
+    _cfg(128, 32, 1, 4, 3),
 ]
 # dK/dV: BLOCK_N keys owned, BLOCK_M query rows per step.
 DKDV_CONFIGS = [
@@ -50,6 +60,8 @@ DKDV_CONFIGS = [
     _cfg(64, 128, 2, 8, 2),
     _cfg(64, 64, 2, 4, 2),
     _cfg(128, 64, 1, 8, 2),
+    _cfg(32, 64, 1, 4, 3),
+    _cfg(64, 64, 1, 4, 3),
 ]
 # fp32 tiles (fp32 inputs or high precision) hold twice the registers: smaller.
 FWD_CONFIGS_FP32 = [
@@ -71,6 +83,7 @@ DBIAS_CONFIGS = [
     _cfg(64, 64, None, 4, 2),
     _cfg(128, 64, None, 8, 2),
     _cfg(64, 128, None, 8, 2),
+    _cfg(64, 64, None, 4, 3),
 ]
 DBIAS_CONFIGS_FP32 = [
     _cfg(64, 32, None, 4, 2),
