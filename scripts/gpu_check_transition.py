@@ -228,13 +228,56 @@ def _bench_harness(n_res: int, flops: float) -> None:
         )
 
 
+def order_probe() -> None:
+    """The benchmark's kit call at N=768 timed call by call (CUDA events, medians of
+    blocks of 10 calls) in this order: alone; after the kit at N=384 (whose
+    backward takes the "kernel" weight path); after OF3's eager module at N=768.
+    Tells a transient (the first blocks slow) from a state that persists."""
+    from of3_megafold.bench import transition as bench_transition
+
+    def case(n):
+        shape = (1, n, n, 128)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
+        dy = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
+        mask = (torch.rand(shape[:-1], generator=gen) > 0.1).to(DEVICE, torch.bfloat16)
+        module = bench_transition._module(128, 4, torch.device(DEVICE))
+        return module, x.requires_grad_(), mask, dy
+
+    def blocks(step, calls=60):
+        times = []
+        for _ in range(calls):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return [sorted(times[i : i + 10])[5] for i in range(0, calls, 10)]
+
+    kit768 = bench_transition._step_fn("kit", *case(768))
+    kit384 = bench_transition._step_fn("kit", *case(384))
+    eager768 = bench_transition._step_fn("of3-eager", *case(768))
+    for label, before in (("alone", None), ("after kit N=384", kit384),
+                          ("after eager N=768", eager768), ("alone again", None)):
+        if before is not None:
+            blocks(before, 30)
+        medians = " ".join(f"{t:6.3f}" for t in blocks(kit768))
+        print(f"  kit N=768 {label:18} block medians (ms): {medians}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[768], help="pair sizes N")
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--order-probe", action="store_true",
+                        help="only the call-by-call order probe (order_probe)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)  # fmt: skip
+    if args.order_probe:
+        order_probe()
+        return
     ok = True
     if not args.no_check:
         shapes = ((4099, 128, 4), (3001, 64, 2), (1000, 64, 4), (40000, 128, 4))
