@@ -5,7 +5,8 @@
 ``DIR`` holds ``*.autotune.json`` files from Triton's cache (``cache_results``), e.g.
 the ``triton-autotune.tgz`` that ``scripts/gpu_session.sh`` sends back, unpacked. For
 every EvoFlash kernel and tuning key it keeps the configuration with the lowest median
-time (over all files: several machines may have tuned the same key) and writes
+time in the tuning run that compared the most configurations (see :func:`collect`)
+and writes
 ``of3_megafold/kernels/evoflash/tuned/<gpu>.json``, which
 :class:`of3_megafold.kernels._launch.TunedKernel` uses instead of tuning that key again
 on a GPU of that name.
@@ -24,14 +25,23 @@ from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path  # noqa: E40
 
 
 def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
-    """kernel -> tuning key -> (best median ms, config)."""
-    best: dict[str, dict[tuple, tuple[float, dict]]] = {name: {} for name in KERNELS}
+    """kernel -> tuning key -> (best median ms, config).
+
+    Timings are compared only within one tuning run (one file): a key buckets the
+    sequence length, so runs at different lengths (N = 768 and 1024 share a key)
+    or on different machines are not comparable. Per key the run that compared
+    the most configurations wins (a run over the current candidate lists beats a
+    run over an older, shorter list), the newest file among equals."""
+    runs: dict[str, dict[tuple, tuple[tuple[int, float], float, dict]]] = {
+        name: {} for name in KERNELS
+    }
     for path in sorted(directory.rglob("*.autotune.json")):
         kernel = path.name.removesuffix(".autotune.json")
-        if kernel not in best:
+        if kernel not in runs:
             continue
         data = json.loads(path.read_text())
         key = tuple(data["key"])
+        timed = []
         for config, timings in data["configs_timings"]:
             median = timings[0] if isinstance(timings, list) else timings
             entry = {
@@ -39,9 +49,17 @@ def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
                 "num_warps": config["num_warps"],
                 "num_stages": config["num_stages"],
             }
-            if key not in best[kernel] or median < best[kernel][key][0]:
-                best[kernel][key] = (median, entry)
-    return best
+            timed.append((median, entry))
+        if not timed:
+            continue
+        rank = (len(timed), path.stat().st_mtime)
+        median, entry = min(timed, key=lambda t: t[0])
+        if key not in runs[kernel] or rank > runs[kernel][key][0]:
+            runs[kernel][key] = (rank, median, entry)
+    return {
+        kernel: {key: (median, entry) for key, (_, median, entry) in keys.items()}
+        for kernel, keys in runs.items()
+    }
 
 
 def main() -> int:
