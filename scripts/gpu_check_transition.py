@@ -258,8 +258,12 @@ def order_probe() -> None:
     kit768 = bench_transition._step_fn("kit", *case(768))
     kit384 = bench_transition._step_fn("kit", *case(384))
     eager768 = bench_transition._step_fn("of3-eager", *case(768))
-    for label, before in (("alone", None), ("after kit N=384", kit384),
-                          ("after eager N=768", eager768), ("alone again", None)):
+    for label, before in (
+        ("alone", None),
+        ("after kit N=384", kit384),
+        ("after eager N=768", eager768),
+        ("alone again", None),
+    ):
         if before is not None:
             blocks(before, 30)
         medians = " ".join(f"{t:6.3f}" for t in blocks(kit768))
@@ -270,8 +274,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[768], help="pair sizes N")
     parser.add_argument("--no-check", action="store_true")
-    parser.add_argument("--order-probe", action="store_true",
-                        help="only the call-by-call order probe (order_probe)")
+    parser.add_argument(
+        "--order-probe",
+        action="store_true",
+        help="only the call-by-call order probe (order_probe)",
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)  # fmt: skip

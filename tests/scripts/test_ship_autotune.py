@@ -1,0 +1,65 @@
+"""scripts/ship_autotune.py: which tuning run's choice ships for a key."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ship_autotune.py"
+spec = importlib.util.spec_from_file_location("ship_autotune", SCRIPT)
+ship_autotune = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ship_autotune)
+
+KERNEL = "_evoflash_fwd_kernel"
+KEY = [1024, 256, 4, 32, True, 0, True, False, "torch.bfloat16"]
+
+
+def _config(block_m: int, stages: int) -> dict:
+    return {
+        "kwargs": {"BLOCK_M": block_m, "BLOCK_N": 64, "S_GROUP": 1},
+        "num_warps": 4,
+        "num_stages": stages,
+    }
+
+
+def _run(directory: Path, name: str, timings: list, mtime: float, key=KEY) -> None:
+    """One tuning run's file, as Triton's ``cache_results`` writes it."""
+    path = directory / name / f"{KERNEL}.autotune.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": key, "configs_timings": timings}))
+    os.utime(path, (mtime, mtime))
+
+
+def test_the_run_comparing_most_configs_wins_not_the_lowest_time(tmp_path):
+    # An old run over two configs at a smaller N of the same bucket (lower times)
+    # and a newer run over three: times from different runs are not compared.
+    _run(
+        tmp_path,
+        "old",
+        [[_config(64, 2), [1.0, 0.9, 1.1]], [_config(128, 2), [1.2, 1.1, 1.3]]],
+        mtime=1000,
+    )
+    _run(
+        tmp_path,
+        "new",
+        [
+            [_config(64, 2), [3.3, 3.2, 3.4]],
+            [_config(128, 2), [3.5, 3.4, 3.6]],
+            [_config(64, 3), [2.9, 2.8, 3.0]],
+        ],
+        mtime=2000,
+    )
+    best = ship_autotune.collect(tmp_path)
+    ms, entry = best[KERNEL][tuple(KEY)]
+    assert (ms, entry) == (2.9, _config(64, 3))
+
+
+def test_newest_run_among_equals_and_keys_apart(tmp_path):
+    other_key = KEY[:-1] + ["torch.float32"]
+    _run(tmp_path, "a", [[_config(64, 2), [1.0]], [_config(128, 2), [2.0]]], 1000)
+    _run(tmp_path, "b", [[_config(64, 2), [3.0]], [_config(128, 2), [2.5]]], 2000)
+    _run(tmp_path, "c", [[_config(64, 3), [0.5]]], 3000, key=other_key)
+    best = ship_autotune.collect(tmp_path)
+    assert best[KERNEL][tuple(KEY)] == (2.5, _config(128, 2))
+    assert best[KERNEL][tuple(other_key)] == (0.5, _config(64, 3))
+    assert all(not keys for name, keys in best.items() if name != KERNEL)
