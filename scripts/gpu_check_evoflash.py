@@ -7,6 +7,8 @@ Usage (on the GPU machine, from the repository root)::
     python scripts/gpu_check_evoflash.py --sizes 1024 # triangle sizes to time
     python scripts/gpu_check_evoflash.py --no-check --wide --sizes --providers kit
                                                       # tune over a wider config list
+    python scripts/gpu_check_evoflash.py --no-check --wide --sizes --providers kit \
+        --no-diffusion --no-trunk --diffusion-hp      # the same for the fp32 tiles
 
 Correctness: the key cases of the ``gpu`` tests (N = 129 and 300, S = 4 and 48, the
 three OF3 call-site shapes, fp32/tf32, bf16, fp16, high precision, the atomic dQ
@@ -19,7 +21,9 @@ OF3's Triton kernel; then each kit kernel's autotuning table (ms per config) at 
 shapes timed, which is what the config lists are tuned from. ``--wide`` tunes
 every kernel afresh over a wider grid of tile shapes, S pairing, warps and stages
 than ``configs`` lists (no shipped choices, no on-disk cache), to find out whether
-the short lists miss a faster configuration.
+the short lists miss a faster configuration (session 9 ran it on the bf16 shapes;
+``--diffusion-hp``, the fp32-tile grid at the diffusion site as OF3 trains it, was
+added afterwards and has not run yet).
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from of3_megafold.bench.attention_core import _forward_fn, _inputs  # noqa: E402
+from of3_megafold.bench.attention_core import (  # noqa: E402
+    HIGH_PRECISION_PROVIDERS,
+    _forward_fn,
+    _inputs,
+)
+from of3_megafold.kernels.evoflash import configs as evoflash_configs  # noqa: E402
 from of3_megafold.kernels.evoflash import function as evoflash_function  # noqa: E402
 from tests.kernels.test_evoflash import GPU_CASES, Case, check_case  # noqa: E402
 
@@ -91,18 +100,24 @@ def _grid(tiles, s_groups, stages):
 
 
 def widen_tuning() -> None:
-    """Every kernel tuned afresh over a wider bf16 grid (see the module docstring)."""
+    """Every kernel tuned afresh over wider grids (see the module docstring): one for
+    16-bit tiles, a smaller one for fp32 tiles (fp32 inputs, high precision)."""
     rows = [(64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     cols = [(32, 64), (64, 64), (128, 64), (32, 128), (64, 128), (128, 128)]
+    rows32 = [(32, 32), (64, 32), (32, 64), (64, 64), (128, 32)]
+    cols32 = [(32, 32), (32, 64), (64, 32), (32, 128), (64, 64)]
+    tiles = [(32, 64), (64, 32), (64, 64), (128, 64), (64, 128)]
+    tiles32 = [(32, 32), (32, 64), (64, 32), (64, 64)]
     wide = {
-        "fwd": _grid(rows, [1, 2], [2, 3]),
-        "dq": _grid(rows, [1, 2], [2, 3]),
-        "dkdv": _grid(cols, [1, 2], [2, 3]),
-        "dbias": _grid([(32, 64), (64, 32), (64, 64), (128, 64), (64, 128)], None,
-                       [2, 3]),
+        "fwd": (_grid(rows, [1, 2], [2, 3]), _grid(rows32, [1], [2, 3])),
+        "dq": (_grid(rows, [1, 2], [2, 3]), _grid(rows32, [1], [2, 3])),
+        "dkdv": (_grid(cols, [1, 2], [2, 3]), _grid(cols32, [1], [2, 3])),
+        "dbias": (_grid(tiles, None, [2, 3]), _grid(tiles32, None, [2, 3])),
     }
     for name, tuner in TUNED.items():
-        tuner.configs = wide[name]
+        half, single = wide[name]
+        evoflash_configs.FP32_CONFIGS.update(id(c) for c in single)
+        tuner.configs = half + single
         tuner.cache = {}
         tuner.cache_results = False
         launcher = getattr(evoflash_function, f"_{name}")
@@ -111,13 +126,15 @@ def widen_tuning() -> None:
         launcher._chosen.clear()
 
 
-def time_shape(name: str, shape, providers) -> None:
+def time_shape(name: str, shape, providers, high_precision: bool = False) -> None:
     B, S, N, H, D = shape
     flops = 3.5 * 4 * B * S * H * N * N * D
+    if high_precision:  # OF3's use_high_precision sites: fp32 attention
+        providers = [p for p in providers if p in HIGH_PRECISION_PROVIDERS]
     for provider in providers:
         try:
             q, k, v, m, b, do = _inputs(shape, "cuda", torch.bfloat16, torch.bfloat16)
-            fwd = _forward_fn(provider)
+            fwd = _forward_fn(provider, high_precision)
             leaves = (q, k, v, b)
 
             def step(fwd=fwd, q=q, k=k, v=v, m=m, b=b, do=do, leaves=leaves):
@@ -179,6 +196,9 @@ def main() -> int:
                         default=True, help="time the diffusion shape")
     parser.add_argument("--trunk", action=argparse.BooleanOptionalAction,
                         default=True, help="time the trunk single-attention shape")
+    parser.add_argument("--diffusion-hp", action="store_true",
+                        help="also time the diffusion shape at high precision "
+                             "(fp32 tiles, as OF3 trains that site)")
     args = parser.parse_args()
     if args.wide:
         widen_tuning()
@@ -193,6 +213,8 @@ def main() -> int:
     shapes += [(1, 1, 768, 16, 24)] * args.trunk
     for shape in shapes:
         time_shape("diffusion" if shape[1] > 1 else "trunk", shape, args.providers)
+    if args.diffusion_hp:
+        time_shape("diff-hp", (1, 48, 768, 16, 48), args.providers, high_precision=True)
     print("ALL CHECKS PASSED" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
