@@ -29,6 +29,7 @@ added afterwards and has not run yet).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -101,7 +102,8 @@ def _grid(tiles, s_groups, stages):
 
 def widen_tuning() -> None:
     """Every kernel tuned afresh over wider grids (see the module docstring): one for
-    16-bit tiles, a smaller one for fp32 tiles (fp32 inputs, high precision)."""
+    16-bit tiles, a smaller one for fp32 tiles (fp32 inputs, high precision). Call
+    before the first launch: the shipped choices are switched off then."""
     rows = [(64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     cols = [(32, 64), (64, 64), (128, 64), (32, 128), (64, 128), (128, 128)]
     rows32 = [(32, 32), (64, 32), (32, 64), (64, 64), (128, 32)]
@@ -114,16 +116,12 @@ def widen_tuning() -> None:
         "dkdv": (_grid(cols, [1, 2], [2, 3]), _grid(cols32, [1], [2, 3])),
         "dbias": (_grid(tiles, None, [2, 3]), _grid(tiles32, None, [2, 3])),
     }
+    os.environ["OF3_MEGAFOLD_TUNED_CONFIGS"] = "0"  # read at the first launch
     for name, tuner in TUNED.items():
         half, single = wide[name]
         evoflash_configs.FP32_CONFIGS.update(id(c) for c in single)
         tuner.configs = half + single
-        tuner.cache = {}
         tuner.cache_results = False
-        launcher = getattr(evoflash_function, f"_{name}")
-        launcher._load_presets = None
-        launcher._presets = None
-        launcher._chosen.clear()
 
 
 def time_shape(name: str, shape, providers, high_precision: bool = False) -> None:

@@ -213,12 +213,10 @@ def _bench_harness(n_res: int, flops: float) -> None:
     from of3_megafold.bench import transition as bench_transition
     from of3_megafold.bench.common import timed_peak
 
+    device = torch.device(DEVICE)
     shape = (1, n_res, n_res, 128)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
-    dy = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
-    mask = (torch.rand(shape[:-1], generator=gen) > 0.1).to(DEVICE, torch.bfloat16)
-    module = bench_transition._module(128, 4, torch.device(DEVICE))
+    x, dy, mask = bench_transition.inputs(shape, device, torch.bfloat16)
+    module = bench_transition._module(128, 4, device)
     print("  bench harness (of3_megafold.bench.transition, same process):")
     for provider in ("kit", "of3-eager", "kit"):
         timing_ = timed_peak(bench_transition._step_fn(provider, module, x, mask, dy))
@@ -235,14 +233,11 @@ def order_probe() -> None:
     Tells a transient (the first blocks slow) from a state that persists."""
     from of3_megafold.bench import transition as bench_transition
 
+    device = torch.device(DEVICE)
+
     def case(n):
-        shape = (1, n, n, 128)
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
-        dy = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
-        mask = (torch.rand(shape[:-1], generator=gen) > 0.1).to(DEVICE, torch.bfloat16)
-        module = bench_transition._module(128, 4, torch.device(DEVICE))
-        return module, x.requires_grad_(), mask, dy
+        x, dy, mask = bench_transition.inputs((1, n, n, 128), device, torch.bfloat16)
+        return bench_transition._module(128, 4, device), x, mask, dy
 
     def blocks(step, calls=60):
         times = []

@@ -53,6 +53,17 @@ def _module(c: int, n: int, device: torch.device) -> torch.nn.Module:
     return module
 
 
+def inputs(shape, device: torch.device, dtype: torch.dtype):
+    """``(x, dy, mask)`` of one case: ``x`` (requiring grad) and the output gradient
+    ``dy`` standard normal of ``shape``, ``mask`` ``shape[:-1]`` with ~10% zeros;
+    fixed seed, so every provider and every script gets the same values."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+    dy = torch.randn(shape, generator=gen).to(device, dtype)
+    mask = (torch.rand(shape[:-1], generator=gen) > 0.1).to(device, dtype)
+    return x, dy, mask
+
+
 def _step_fn(provider: str, module: torch.nn.Module, x, mask, dy):
     """One forward + backward; clears the gradients afterwards so every call
     allocates them afresh (and the peak counts them)."""
@@ -103,10 +114,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
         m = 1
         for s in shape[:-1]:
             m *= s
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
-        dy = torch.randn(shape, generator=gen).to(device, dtype)
-        mask = (torch.rand(shape[:-1], generator=gen) > 0.1).to(device, dtype)
+        x, dy, mask = inputs(shape, device, dtype)
         module = _module(c, n, device)
         for provider in providers:
             row = dict(
