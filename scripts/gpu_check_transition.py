@@ -265,6 +265,58 @@ def order_probe() -> None:
         print(f"  kit N=768 {label:18} block medians (ms): {medians}", flush=True)
 
 
+def widen_tuning() -> None:
+    """Add a wider grid of 16-bit configs to the forward and input-gradient kernels'
+    autotuners (call before their first launch): BLOCK_M 64/128 x BLOCK_H 32/64/128
+    x 4/8 warps x 2/3/4 stages, minus those whose [BLOCK_M, BLOCK_H] tiles cannot
+    fit (128 x 128 with 4 warps). Not shipped: a sweep, to find better lists."""
+    for kernel in (_swiglu_transition_fwd_kernel, _swiglu_transition_bwd_input_kernel):
+        have = {(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+                for c in kernel.configs}  # fmt: skip
+        for bm in (64, 128):
+            for bh in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        if bm == bh == 128 and warps == 4:
+                            continue
+                        meta = {"BLOCK_M": bm, "BLOCK_H": bh}
+                        if (tuple(sorted(meta.items())), warps, stages) in have:
+                            continue
+                        kernel.configs.append(
+                            triton.Config(meta, num_warps=warps, num_stages=stages)
+                        )
+        print(f"{kernel.fn.fn.__name__}: {len(kernel.configs)} configs")
+
+
+def chunk_sweep(n_res: int, chunk_mib: list[int]) -> None:
+    """The kit's forward + backward ("gemm" path) at pair size ``n_res`` for each
+    ``HIDDEN_CHUNK_BYTES`` in ``chunk_mib``: launches per call against buffer size."""
+    c, n = 128, 4
+    m = n_res * n_res
+    x, params, mask, dy = make(m, c, n, torch.bfloat16, seed=1)
+    xs = x.view(1, n_res, n_res, c).requires_grad_()
+    leaves = [xs] + [p.requires_grad_() for p in params]
+    dys = dy.bfloat16().view(xs.shape)
+    ms = mask.view(xs.shape[:-1]).bfloat16()
+
+    def step():
+        swiglu_transition(xs, *params, mask=ms).backward(dys)
+        for t in leaves:
+            t.grad = None
+
+    default = transition_function.HIDDEN_CHUNK_BYTES
+    print(f"  chunk sweep, N={n_res} (gemm path):")
+    try:
+        for mib in chunk_mib:
+            transition_function.HIDDEN_CHUNK_BYTES = mib * 2**20
+            with weight_grad_path("gemm"):
+                t = bench(step)
+                peak = peak_mib(step)
+            print(f"  chunk {mib:5d} MiB {t:7.3f} ms {peak:7.0f} MiB", flush=True)
+    finally:
+        transition_function.HIDDEN_CHUNK_BYTES = default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[768], help="pair sizes N")
@@ -274,7 +326,19 @@ def main() -> None:
         action="store_true",
         help="only the call-by-call order probe (order_probe)",
     )
+    parser.add_argument(
+        "--wide", action="store_true", help="tune over a wider grid (widen_tuning)"
+    )
+    parser.add_argument(
+        "--chunk-mib",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the gemm path at these chunk sizes (chunk_sweep)",
+    )
     args = parser.parse_args()
+    if args.wide:
+        widen_tuning()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)  # fmt: skip
     if args.order_probe:
@@ -291,6 +355,8 @@ def main() -> None:
                         ok &= check(m, c, n, dtype)
     for n_res in args.n:
         timing(n_res)
+        if args.chunk_mib:
+            chunk_sweep(n_res, args.chunk_mib)
     sys.exit(0 if ok else 1)
 
 

@@ -241,6 +241,7 @@ def _autotune_choices(say) -> None:
         "swiglu bwd weight": _bwd._swiglu_transition_bwd_weight_kernel,
     }
     for name, tuner in tuners.items():
+        tuner = getattr(tuner, "autotuner", tuner)  # EvoFlash's TunedKernel
         for key, cfg in getattr(tuner, "cache", {}).items():
             say(f"{name:18} {key} -> {cfg}")
 

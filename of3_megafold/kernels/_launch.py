@@ -43,7 +43,8 @@ class TunedKernel:
             autotuner's configurations is ignored.
 
     The tuning key is what the autotuner uses: its key arguments' values and the
-    dtypes of all tensor arguments. Launch with keyword arguments only.
+    dtypes of all tensor arguments. Arguments may be positional (in the kernel's
+    parameter order) or named.
     """
 
     def __init__(
@@ -76,7 +77,13 @@ class TunedKernel:
         return self._tuner
 
     def __getitem__(self, grid) -> Callable[..., None]:
-        return lambda **kwargs: self._launch(grid, kwargs)
+        def launch(*args: Any, **kwargs: Any) -> None:
+            names = self._jit.arg_names
+            if len(args) > len(names):
+                raise TypeError(f"{len(args)} arguments for {len(names)} parameters")
+            self._launch(grid, {**dict(zip(names, args, strict=False)), **kwargs})
+
+        return launch
 
     def _key(self, kwargs: dict[str, Any]) -> tuple:
         return (

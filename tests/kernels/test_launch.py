@@ -141,3 +141,18 @@ def test_shipped_evoflash_choices_name_current_candidates():
                 and c.num_stages == entry["num_stages"]
                 for c in candidates[kernel]
             ), (kernel, entry)
+
+
+def test_positional_arguments_in_parameter_order():
+    from of3_megafold.kernels._launch import TunedKernel
+
+    _, tuned = _kernels()
+    kernel = TunedKernel(tuned)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(17, device=device)
+    for alpha in (3.0, -0.5):  # first launch (autotuner), then the remembered choice
+        y = torch.empty_like(x)
+        kernel[lambda meta: (-(-17 // meta["BLOCK"]),)](x, y, 17, alpha=alpha)
+        torch.testing.assert_close(y, _expected(x, alpha))
+    with pytest.raises(TypeError, match="7 arguments for 6 parameters"):
+        kernel[(1,)](x, y, 17, 1.0, 16, True, 0)
