@@ -62,8 +62,9 @@ for spec in "$@"; do
     [ "$head" != "$name" ] && limit=${head#*@}
     step=${name%%.*}
     case "$step" in
-        tests) run tests "${limit:-420}" python3 -m pytest tests/kernels tests/extensions -q --maxfail=10 \
-            -p no:cacheprovider --durations=15 ;;
+        # shellcheck disable=SC2086  # $extra: pytest arguments instead of the two folders
+        tests) run "$name" "${limit:-420}" python3 -m pytest ${extra:-tests/kernels tests/extensions} \
+            -q --maxfail=10 -p no:cacheprovider --durations=15 ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_evoflash.py
         evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_transition.py
