@@ -9,6 +9,8 @@ Usage (on the GPU machine, from the repository root)::
                                                       # tune over a wider config list
     python scripts/gpu_check_evoflash.py --no-check --wide --sizes --providers kit \
         --no-diffusion --no-trunk --diffusion-hp      # the same for the fp32 tiles
+    python scripts/gpu_check_evoflash.py --every-config --no-check --sizes \
+        --no-diffusion --no-trunk                     # every listed config, checked
 
 Correctness: the key cases of the ``gpu`` tests (N = 129 and 300, S = 4 and 48, the
 three OF3 call-site shapes, fp32/tf32, bf16, fp16, high precision, the atomic dQ
@@ -85,6 +87,58 @@ def run_checks() -> bool:
     ok &= same
     print(f"deterministic backward bitwise reproducible: {same}")
     return ok
+
+
+# (cases, which list): the i-th configuration of every kernel's list is forced
+# at once; odd S (a paired-slice tail), padded masks, N not a multiple of any tile.
+EVERY_CONFIG_CASES = (
+    ([Case(1, 3, 300, 4, 32, torch.bfloat16), Case(1, 3, 200, 16, 48, torch.bfloat16)],
+     "half"),
+    ([Case(1, 3, 300, 2, 48, torch.float32),
+      Case(1, 3, 129, 2, 32, torch.float32, high_precision=True)], "fp32"),
+)  # fmt: skip
+
+
+def every_config_checks() -> bool:
+    """Each configuration of every kernel's list checked against the fp64 reference
+    (the autotuner picks one per shape, so the tuned-shape checks meet only a few
+    of them). Call before the first launch: switches the shipped choices off."""
+    os.environ["OF3_MEGAFOLD_TUNED_CONFIGS"] = "0"
+    lists = {name: list(t.configs) for name, t in TUNED.items()}
+    ok = True
+    for cases, which in EVERY_CONFIG_CASES:
+        pick = {name: [c for c in full if (id(c) in evoflash_configs.FP32_CONFIGS)
+                       == (which == "fp32")] for name, full in lists.items()}
+        for i in range(max(len(v) for v in pick.values())):
+            forced = {name: v[i % len(v)] for name, v in pick.items()}
+            for name, tuner in TUNED.items():
+                tuner.configs = [forced[name]]
+                tuner.cache.clear()
+                getattr(evoflash_function, f"_{name}").forget()
+            label = " ".join(f"{n}={_short(c)}" for n, c in forced.items())
+            for case in cases:
+                for det in (True, False):
+                    try:
+                        check_case(case, "cuda", seed=i, deterministic=det)
+                        status = "ok"
+                    except AssertionError as err:
+                        status, ok = f"FAIL {str(err).splitlines()[0][:120]}", False
+                    except Exception as err:  # noqa: BLE001 - report, go on
+                        status, ok = f"ERROR {str(err).splitlines()[0][:120]}", False
+                    print(f"{which} #{i} {label} | {case} det={det}: {status}",
+                          flush=True)
+    for name, tuner in TUNED.items():  # the lists as they were
+        tuner.configs = lists[name]
+        tuner.cache.clear()
+        getattr(evoflash_function, f"_{name}").forget()
+    return ok
+
+
+def _short(cfg) -> str:
+    kw = cfg.kwargs
+    group = f"x{kw['S_GROUP']}" if "S_GROUP" in kw else ""
+    return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}{group}"
+            f"/w{cfg.num_warps}s{cfg.num_stages}")
 
 
 def _grid(tiles, s_groups, stages):
@@ -197,14 +251,19 @@ def main() -> int:
     parser.add_argument("--diffusion-hp", action="store_true",
                         help="also time the diffusion shape at high precision "
                              "(fp32 tiles, as OF3 trains that site)")
+    parser.add_argument("--every-config", action="store_true",
+                        help="check every configuration of the lists first "
+                             "(every_config_checks)")
     args = parser.parse_args()
+    ok = True
+    if args.every_config:
+        ok = every_config_checks()
     if args.wide:
         widen_tuning()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)
-    ok = True
     if not args.no_check:
-        ok = run_checks()
+        ok &= run_checks()
     for n in args.sizes:
         time_shape("triangle", (1, n, n, 4, 32), args.providers)
     shapes = [(1, 48, 768, 16, 48)] * args.diffusion

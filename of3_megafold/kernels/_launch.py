@@ -71,6 +71,11 @@ class TunedKernel:
         self._presets: Mapping[tuple, Mapping[str, Any]] | None = None
         self.preset_keys: list[tuple] = []  # keys launched from presets, untuned
 
+    def forget(self) -> None:
+        """Drop the remembered choices: the next launch of every key goes through
+        Triton's wrappers again (a checker that swaps the autotuner's configs)."""
+        self._chosen.clear()
+
     @property
     def autotuner(self) -> Autotuner | None:
         """Triton's autotuner behind this kernel (its timings, best config), if any."""

@@ -140,7 +140,8 @@ def tuning_space(
     single_ids = {id(c) for c in single_configs}
 
     def prune(configs, named_args, **kwargs):
-        fp32 = named_args["W_AB"].dtype == torch.float32
+        # Triton 3.6 names only positional arguments in named_args, 3.9 all of them.
+        fp32 = {**named_args, **kwargs}["W_AB"].dtype == torch.float32
         return [c for c in configs if (id(c) in single_ids) == fp32]
 
     return half_configs + single_configs, {"early_config_prune": prune}
