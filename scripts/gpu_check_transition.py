@@ -39,6 +39,7 @@ from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
 )
 from of3_megafold.kernels.swiglu_transition._bwd import (  # noqa: E402
     _swiglu_transition_bwd_input_kernel,
+    _swiglu_transition_bwd_weight_kernel,
 )
 from of3_megafold.kernels.swiglu_transition._fwd import (  # noqa: E402
     _swiglu_transition_fwd_kernel,
@@ -285,6 +286,19 @@ def widen_tuning() -> None:
         print(f"{kernel.fn.fn.__name__}: {len(kernel.configs)} configs")
 
 
+def one_config() -> None:
+    """Each kernel keeps the first 16-bit and the first fp32 configuration of its
+    list (call before the first launch): checks the launch path and the math
+    without tuning every key (a correctness run, not a timing one)."""
+    for kernel in (_swiglu_transition_fwd_kernel, _swiglu_transition_bwd_input_kernel,
+                   _swiglu_transition_bwd_weight_kernel):  # fmt: skip
+        prune = kernel.early_config_prune
+        kernel.configs = [
+            prune(kernel.configs, {"W_AB": torch.empty(0, dtype=dtype)})[0]
+            for dtype in (torch.bfloat16, torch.float32)
+        ]
+
+
 def chunk_sweep(n_res: int, chunk_mib: list[int]) -> None:
     """The kit's forward + backward ("gemm" path) at pair size ``n_res`` for each
     ``HIDDEN_CHUNK_BYTES`` in ``chunk_mib``: launches per call against buffer size."""
@@ -333,7 +347,14 @@ def main() -> None:
         default=[],
         help="also time the gemm path at these chunk sizes (chunk_sweep)",
     )
+    parser.add_argument(
+        "--one-config",
+        action="store_true",
+        help="check with one configuration per kernel and precision (one_config)",
+    )
     args = parser.parse_args()
+    if args.one_config:
+        one_config()
     if args.wide:
         widen_tuning()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",

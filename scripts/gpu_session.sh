@@ -66,11 +66,11 @@ for spec in "$@"; do
         tests) run "$name" "${limit:-420}" python3 -m pytest ${extra:-tests/kernels tests/extensions} \
             -q --maxfail=10 -p no:cacheprovider --durations=15 ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_evoflash.py
-        evoflash) run evoflash "${limit:-300}" python3 scripts/gpu_check_evoflash.py $extra ;;
+        evoflash) run "$name" "${limit:-300}" python3 scripts/gpu_check_evoflash.py $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_transition.py
-        transition) run transition "${limit:-240}" python3 scripts/gpu_check_transition.py $extra ;;
+        transition) run "$name" "${limit:-240}" python3 scripts/gpu_check_transition.py $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_sequence_parallel.py
-        sp) run sp "${limit:-180}" python3 scripts/gpu_check_sequence_parallel.py $extra ;;
+        sp) run "$name" "${limit:-180}" python3 scripts/gpu_check_sequence_parallel.py $extra ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
         # shellcheck disable=SC2086
         profile-step) run profile-step "${limit:-480}" python3 scripts/gpu_profile_step.py \
