@@ -9,7 +9,9 @@ time in the tuning run that compared the most configurations (see :func:`collect
 and writes
 ``of3_megafold/kernels/evoflash/tuned/<gpu>.json``, which
 :class:`of3_megafold.kernels._launch.TunedKernel` uses instead of tuning that key again
-on a GPU of that name.
+on a GPU of that name. The table records the fingerprint of the current config lists
+(``configs.lists_fingerprint``): run this on tuning results made with those lists. If
+the lists change, the kit ignores the table until it is rebuilt.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from of3_megafold.kernels.evoflash.configs import lists_fingerprint  # noqa: E402
 from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path  # noqa: E402
 
 
@@ -72,6 +75,7 @@ def main() -> int:
     table = {
         "gpu": args.gpu,
         "source": args.source,
+        "lists": lists_fingerprint(),
         "kernels": {
             kernel: [
                 {"key": list(key), "ms": round(ms, 4), **entry}

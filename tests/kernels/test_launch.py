@@ -116,21 +116,19 @@ def test_presets_naming_an_unknown_config_are_ignored():
 
 
 def test_shipped_evoflash_choices_name_current_candidates():
-    """Every shipped choice is one of its kernel's candidate configurations (a
-    stale entry would be ignored silently, and that GPU would tune again)."""
+    """The shipped table was built for the current config lists, and every choice
+    in it is one of its kernel's candidates (else the kit ignores the table, or
+    the entry, and that GPU tunes again)."""
     import json
 
     from of3_megafold.kernels.evoflash import configs
     from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path
 
-    candidates = {
-        "_evoflash_fwd_kernel": configs.FWD_CONFIGS + configs.FWD_CONFIGS_FP32,
-        "_evoflash_bwd_dq_kernel": configs.DQ_CONFIGS + configs.DQ_CONFIGS_FP32,
-        "_evoflash_bwd_dkdv_kernel": configs.DKDV_CONFIGS + configs.DKDV_CONFIGS_FP32,
-        "_evoflash_bwd_dbias_kernel": configs.DBIAS_CONFIGS
-        + configs.DBIAS_CONFIGS_FP32,
-    }
     table = json.loads(tuned_path("NVIDIA H200").read_text())
+    assert table["lists"] == configs.lists_fingerprint(), (
+        "the config lists changed since the shipped table was built: rebuild it with "
+        "scripts/ship_autotune.py from a tuning run over the new lists (or delete it)"
+    )
     assert set(table["kernels"]) == set(KERNELS)
     for kernel, entries in table["kernels"].items():
         assert entries, kernel
@@ -139,7 +137,7 @@ def test_shipped_evoflash_choices_name_current_candidates():
                 c.kwargs == entry["kwargs"]
                 and c.num_warps == entry["num_warps"]
                 and c.num_stages == entry["num_stages"]
-                for c in candidates[kernel]
+                for c in configs.CANDIDATES[kernel]
             ), (kernel, entry)
 
 
@@ -156,3 +154,37 @@ def test_positional_arguments_in_parameter_order():
         torch.testing.assert_close(y, _expected(x, alpha))
     with pytest.raises(TypeError, match="7 arguments for 6 parameters"):
         kernel[(1,)](x, y, 17, 1.0, 16, True, 0)
+
+
+def test_a_table_built_for_other_lists_is_ignored(tmp_path, monkeypatch, caplog):
+    import json
+
+    from of3_megafold.kernels.evoflash import configs, tuned
+
+    entry = {"key": [1024], "kwargs": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 3}
+    for gpu, lists in (("current", configs.lists_fingerprint()), ("stale", "0" * 16)):
+        table = {"lists": lists, "kernels": {"_evoflash_fwd_kernel": [entry]}}
+        (tmp_path / f"{gpu}.json").write_text(json.dumps(table))
+    monkeypatch.setattr(tuned, "tuned_path", lambda gpu: tmp_path / f"{gpu}.json")
+    tuned._table.cache_clear()
+    try:
+        assert tuned._table("current")["kernels"] == {"_evoflash_fwd_kernel": [entry]}
+        with caplog.at_level("WARNING"):
+            assert tuned._table("stale")["kernels"] == {}
+        assert "built for other EvoFlash config lists" in caplog.text
+    finally:
+        tuned._table.cache_clear()
+
+
+def test_the_fingerprint_follows_the_lists(monkeypatch):
+    import triton
+
+    from of3_megafold.kernels.evoflash import configs
+
+    before = configs.lists_fingerprint()
+    widened = dict(configs.CANDIDATES)
+    widened["_evoflash_fwd_kernel"] = widened["_evoflash_fwd_kernel"] + [
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "S_GROUP": 1}, num_warps=2)
+    ]
+    monkeypatch.setattr(configs, "CANDIDATES", widened)
+    assert configs.lists_fingerprint() != before

@@ -136,6 +136,27 @@ def _block_area(cfg) -> int:
 FP32_CONFIGS = {id(c) for c in (FWD_CONFIGS_FP32 + DQ_CONFIGS_FP32
                                  + DKDV_CONFIGS_FP32 + DBIAS_CONFIGS_FP32)}
 
+# Every kernel's candidates, both precisions, by the kernel's name.
+CANDIDATES = {
+    "_evoflash_fwd_kernel": FWD_CONFIGS + FWD_CONFIGS_FP32,
+    "_evoflash_bwd_dq_kernel": DQ_CONFIGS + DQ_CONFIGS_FP32,
+    "_evoflash_bwd_dkdv_kernel": DKDV_CONFIGS + DKDV_CONFIGS_FP32,
+    "_evoflash_bwd_dbias_kernel": DBIAS_CONFIGS + DBIAS_CONFIGS_FP32,
+}
+
+
+def lists_fingerprint() -> str:
+    """A digest of :data:`CANDIDATES`. A shipped table records the one it was built
+    for: its choices competed only with the configurations listed then, so after the
+    lists change it is ignored until it is rebuilt (``tuned``)."""
+    import hashlib
+
+    text = repr({
+        name: [(sorted(c.kwargs.items()), c.num_warps, c.num_stages) for c in cands]
+        for name, cands in sorted(CANDIDATES.items())
+    })  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 def prune_configs(configs, named_args, **kwargs):
     """Keep the configurations that can pay off for this call: the fp32-tile list

@@ -6,7 +6,11 @@ fastest on that GPU. On a GPU of that name, :class:`~of3_megafold.kernels._launc
 TunedKernel` launches a listed key with its configuration instead of benchmarking
 every candidate (a few minutes on the first training step of a fresh machine). A
 listed configuration that is not among the kernel's current candidates is ignored,
-and a key that is not listed is tuned as usual. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
+and a key that is not listed is tuned as usual. A table records the fingerprint of the
+candidate lists it was built for (:func:`..configs.lists_fingerprint`); a table built
+for other lists is ignored as a whole (its choices never competed with the
+configurations added since: session 10 found such stale choices 25-33% slow), and
+every key is tuned as usual until the table is rebuilt. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
 turns the table off (tune everything).
 """
 
@@ -14,10 +18,15 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from ..configs import lists_fingerprint
+
+logger = logging.getLogger(__name__)
 
 KERNELS = (
     "_evoflash_fwd_kernel",
@@ -35,7 +44,17 @@ def tuned_path(gpu: str) -> Path:
 @functools.cache
 def _table(gpu: str) -> dict[str, Any]:
     path = tuned_path(gpu)
-    return json.loads(path.read_text()) if path.exists() else {"kernels": {}}
+    if not path.exists():
+        return {"kernels": {}}
+    table = json.loads(path.read_text())
+    if table.get("lists") != lists_fingerprint():
+        logger.warning(
+            "%s was built for other EvoFlash config lists; ignoring it (every key is "
+            "tuned at first use). Rebuild it with scripts/ship_autotune.py.",
+            path.name,
+        )
+        return {"kernels": {}}
+    return table
 
 
 def tuned_configs(kernel: str) -> dict[tuple, dict]:
