@@ -88,10 +88,19 @@ def _compare(module, inputs, forced_or_tagged):
         activate()
     # kit == stock passes the error rule trivially: the kit's path must have run
     assert calls, "the kernel did not run (the extension took OF3's path)"
+    overall = max(r.abs().max().item() for r in reference if r is not None)
     for name, r, s, k in zip(range(len(reference)), reference, stock, kit, strict=True):
         if r is None:
             continue
-        scale = r.abs().max().item() + 1e-12
+        scale = r.abs().max().item()
+        if scale <= 1e-9 * overall:
+            # Zero in exact arithmetic: the pair input's LayerNorm bias shifts every
+            # logit of a query by the same amount, and softmax ignores that. Both
+            # fp32 paths return round-off there, so the 2x rule would compare noise
+            # (it failed at random on fresh inputs); require round-off level instead.
+            kit_abs = (k.double() - r).abs().max().item()
+            assert kit_abs <= 1e-5 * overall, (name, kit_abs, overall)
+            continue
         stock_err = (s.double() - r).abs().max().item() / scale
         kit_err = (k.double() - r).abs().max().item() / scale
         assert kit_err <= 2 * stock_err + 1e-5, (name, kit_err, stock_err)
