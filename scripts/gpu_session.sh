@@ -6,6 +6,10 @@
 # names its log and results (step.r1 -> step.r1.log, step.r1.json), so one session can
 # run a step twice:
 #   bash scripts/gpu_session.sh tests evoflash profile bench-transition@90 "step@200 --no-max-crop"
+# Options after a step's name go to its script (tests: pytest arguments instead of
+# tests/kernels tests/extensions):
+#   bash scripts/gpu_session.sh "tests.swiglu@300 tests/kernels/test_swiglu_transition.py -k gpu_" \
+#       "evoflash.every@150 --every-config --no-check --sizes --no-diffusion --no-trunk"
 # Several sessions may run at once on a multi-GPU machine (CUDA_VISIBLE_DEVICES, own
 # OUT): the wheels are installed once.
 set -uo pipefail
