@@ -63,3 +63,16 @@ def test_newest_run_among_equals_and_keys_apart(tmp_path):
     assert best[KERNEL][tuple(KEY)] == (2.5, _config(128, 2))
     assert best[KERNEL][tuple(other_key)] == (0.5, _config(64, 3))
     assert all(not keys for name, keys in best.items() if name != KERNEL)
+
+
+def test_the_table_records_the_lists_it_was_built_for(tmp_path, monkeypatch):
+    from of3_megafold.kernels.evoflash.configs import lists_fingerprint
+
+    _run(tmp_path / "runs", "a", [[_config(64, 3), [1.0]]], 1000)
+    out = tmp_path / "table.json"
+    monkeypatch.setattr(ship_autotune, "tuned_path", lambda gpu: out)
+    monkeypatch.setattr("sys.argv", ["ship_autotune.py", str(tmp_path / "runs")])
+    assert ship_autotune.main() == 0
+    table = json.loads(out.read_text())
+    assert table["lists"] == lists_fingerprint()
+    assert table["kernels"][KERNEL] == [{"key": KEY, "ms": 1.0, **_config(64, 3)}]
