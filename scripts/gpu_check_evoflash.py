@@ -111,10 +111,7 @@ def every_config_checks() -> bool:
                        == (which == "fp32")] for name, full in lists.items()}
         for i in range(max(len(v) for v in pick.values())):
             forced = {name: v[i % len(v)] for name, v in pick.items()}
-            for name, tuner in TUNED.items():
-                tuner.configs = [forced[name]]
-                tuner.cache.clear()
-                getattr(evoflash_function, f"_{name}").forget()
+            _set_configs({name: [cfg] for name, cfg in forced.items()})
             label = " ".join(f"{n}={_short(c)}" for n, c in forced.items())
             for case in cases:
                 for det in (True, False):
@@ -127,11 +124,16 @@ def every_config_checks() -> bool:
                         status, ok = f"ERROR {str(err).splitlines()[0][:120]}", False
                     print(f"{which} #{i} {label} | {case} det={det}: {status}",
                           flush=True)
-    for name, tuner in TUNED.items():  # the lists as they were
-        tuner.configs = lists[name]
+    _set_configs(lists)  # the lists as they were
+    return ok
+
+
+def _set_configs(configs_by_kernel: dict) -> None:
+    """Give each kernel's autotuner these configs and forget every choice made."""
+    for name, tuner in TUNED.items():
+        tuner.configs = configs_by_kernel[name]
         tuner.cache.clear()
         getattr(evoflash_function, f"_{name}").forget()
-    return ok
 
 
 def _short(cfg) -> str:

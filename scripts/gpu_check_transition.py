@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import sys
 from pathlib import Path
 
@@ -270,19 +271,15 @@ def widen_tuning() -> None:
     """Add a wider grid of 16-bit configs to the forward and input-gradient kernels'
     autotuners (call before their first launch): BLOCK_M 64/128 x BLOCK_H 32/64
     x 4/8 warps x 2/3/4 stages. Not shipped: a sweep, to find better lists."""
+    grid = list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3, 4)))
     for kernel in (_swiglu_transition_fwd_kernel, _swiglu_transition_bwd_input_kernel):
-        have = {(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+        have = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_H"], c.num_warps, c.num_stages)
                 for c in kernel.configs}  # fmt: skip
-        for bm in (64, 128):
-            for bh in (32, 64):
-                for warps in (4, 8):
-                    for stages in (2, 3, 4):
-                        meta = {"BLOCK_M": bm, "BLOCK_H": bh}
-                        if (tuple(sorted(meta.items())), warps, stages) in have:
-                            continue
-                        kernel.configs.append(
-                            triton.Config(meta, num_warps=warps, num_stages=stages)
-                        )
+        kernel.configs += [
+            triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w, num_stages=st)
+            for bm, bh, w, st in grid
+            if (bm, bh, w, st) not in have
+        ]
         print(f"{kernel.fn.fn.__name__}: {len(kernel.configs)} configs")
 
 

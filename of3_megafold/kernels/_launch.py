@@ -83,10 +83,12 @@ class TunedKernel:
 
     def __getitem__(self, grid) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
-            names = self._jit.arg_names
-            if len(args) > len(names):
-                raise TypeError(f"{len(args)} arguments for {len(names)} parameters")
-            self._launch(grid, {**dict(zip(names, args, strict=False)), **kwargs})
+            if args:  # named in the kernel's parameter order
+                names = self._jit.arg_names
+                if len(args) > len(names):
+                    raise TypeError(f"{len(args)} arguments for {len(names)} params")
+                kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+            self._launch(grid, kwargs)
 
         return launch
 

@@ -152,7 +152,7 @@ def test_positional_arguments_in_parameter_order():
         y = torch.empty_like(x)
         kernel[lambda meta: (-(-17 // meta["BLOCK"]),)](x, y, 17, alpha=alpha)
         torch.testing.assert_close(y, _expected(x, alpha))
-    with pytest.raises(TypeError, match="7 arguments for 6 parameters"):
+    with pytest.raises(TypeError, match="7 arguments for 6 params"):
         kernel[(1,)](x, y, 17, 1.0, 16, True, 0)
 
 

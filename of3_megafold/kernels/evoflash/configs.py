@@ -20,6 +20,8 @@ configuration runs.
 
 from __future__ import annotations
 
+import hashlib
+
 import triton
 
 from ..backend import interpreter_enabled
@@ -149,8 +151,6 @@ def lists_fingerprint() -> str:
     """A digest of :data:`CANDIDATES`. A shipped table records the one it was built
     for: its choices competed only with the configurations listed then, so after the
     lists change it is ignored until it is rebuilt (``tuned``)."""
-    import hashlib
-
     text = repr({
         name: [(sorted(c.kwargs.items()), c.num_warps, c.num_stages) for c in cands]
         for name, cands in sorted(CANDIDATES.items())
