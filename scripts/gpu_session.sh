@@ -87,6 +87,10 @@ for spec in "$@"; do
                        --extensions all --subset ci test_of3_model.py -q -rfs -p no:warnings --continue-on-collection-errors ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         host) run host "${limit:-240}" python3 scripts/gpu_profile_kernels.py "$OUT/host.txt" --host ;;
+        # this checkout against an older one in one process (carry .host-ab-old: --prepare)
+        host-ab) run host-ab "${limit:-200}" python3 scripts/gpu_host_ab.py "$OUT/host_ab.txt" ;;
+        launch-cost) run launch-cost "${limit:-150}" python3 scripts/gpu_launch_cost.py \
+            "$OUT/launch_cost.txt" ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
             "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py

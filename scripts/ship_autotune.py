@@ -1,6 +1,6 @@
 """Turn Triton's on-disk autotuning results into the kit's shipped choices.
 
-    python scripts/ship_autotune.py DIR [--gpu "NVIDIA H200"]
+    python scripts/ship_autotune.py DIR [--gpu "NVIDIA H200"] [--merge]
 
 ``DIR`` holds ``*.autotune.json`` files from Triton's cache (``cache_results``), e.g.
 the ``triton-autotune.tgz`` that ``scripts/gpu_session.sh`` sends back, unpacked. For
@@ -12,6 +12,10 @@ and writes
 on a GPU of that name. The table records the fingerprint of the current config lists
 (``configs.lists_fingerprint``): run this on tuning results made with those lists. If
 the lists change, the kit ignores the table until it is rebuilt.
+
+``--merge`` keeps the shipped table's other keys and replaces or adds only the keys
+tuned in ``DIR`` (a session that tuned a few new shapes); the table must have been
+built over the same lists.
 """
 
 from __future__ import annotations
@@ -65,13 +69,36 @@ def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
     }
 
 
+def merged(shipped: dict, best: dict) -> dict[str, dict[tuple, tuple[float, dict]]]:
+    """``best`` over the ``shipped`` table's entries: the new keys win."""
+    if shipped.get("lists") != lists_fingerprint():
+        raise SystemExit("the shipped table was built over other config lists: "
+                         "rebuild it from all tuning results instead of merging")
+    result = {}
+    for kernel in KERNELS:
+        keys = {
+            tuple(entry["key"]): (entry["ms"], {
+                name: entry[name] for name in ("kwargs", "num_warps", "num_stages")
+            })
+            for entry in shipped["kernels"].get(kernel, [])
+        }
+        keys.update(best.get(kernel, {}))
+        result[kernel] = keys
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--gpu", default="NVIDIA H200")
     parser.add_argument("--source", default="", help="where the timings came from")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the shipped table's keys that DIR did not tune")
     args = parser.parse_args()
     best = collect(args.directory)
+    out = tuned_path(args.gpu)
+    if args.merge:
+        best = merged(json.loads(out.read_text()), best)
     table = {
         "gpu": args.gpu,
         "source": args.source,
@@ -84,7 +111,6 @@ def main() -> int:
             for kernel, keys in best.items()
         },
     }
-    out = tuned_path(args.gpu)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     counts = ", ".join(f"{k} {len(v)}" for k, v in best.items())

@@ -188,3 +188,19 @@ def test_the_fingerprint_follows_the_lists(monkeypatch):
     ]
     monkeypatch.setattr(configs, "CANDIDATES", widened)
     assert configs.lists_fingerprint() != before
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_follows_the_specialization():
+    """Launches straight to the compiled kernel (``DirectLaunch``) still pick the
+    binary Triton's specialization calls for: a pointer off 16-byte alignment, a
+    length of 1 or not divisible by 16 each get their own."""
+    from of3_megafold.kernels._launch import TunedKernel
+
+    heuristic, _ = _kernels()
+    kernel = TunedKernel(heuristic, {"BLOCK": 16})
+    assert kernel._direct is not None
+    base = torch.randn(96, device="cuda")
+    for x in (base[:64], base[1:65], base[:17], base[3:20], base[:1], base[16:80]):
+        torch.testing.assert_close(_run(kernel, x, 2.0), _expected(x, 2.0))
+    assert len(kernel._direct._kernels) >= 4

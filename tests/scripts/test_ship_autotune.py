@@ -76,3 +76,29 @@ def test_the_table_records_the_lists_it_was_built_for(tmp_path, monkeypatch):
     table = json.loads(out.read_text())
     assert table["lists"] == lists_fingerprint()
     assert table["kernels"][KERNEL] == [{"key": KEY, "ms": 1.0, **_config(64, 3)}]
+
+
+def test_merge_keeps_the_shipped_keys_and_replaces_the_tuned_ones():
+    from of3_megafold.kernels.evoflash.configs import lists_fingerprint
+
+    other_key = KEY[:-1] + ["torch.float32"]
+    shipped = {
+        "lists": lists_fingerprint(),
+        "kernels": {KERNEL: [
+            {"key": KEY, "ms": 5.0, **_config(128, 2)},
+            {"key": other_key, "ms": 1.0, **_config(64, 2)},
+        ]},
+    }
+    best = {KERNEL: {tuple(KEY): (4.0, _config(64, 3))}}
+    merged = ship_autotune.merged(shipped, best)
+    assert merged[KERNEL] == {
+        tuple(KEY): (4.0, _config(64, 3)),
+        tuple(other_key): (1.0, _config(64, 2)),
+    }
+
+
+def test_merge_refuses_a_table_of_other_lists():
+    import pytest
+
+    with pytest.raises(SystemExit, match="other config lists"):
+        ship_autotune.merged({"lists": "stale", "kernels": {}}, {})

@@ -439,3 +439,17 @@ def _evoflash_bwd_dbias_kernel(
                + offs_m[:, None] * stride_dbi + offs_n[None, :])
     tl.store(db_ptrs, _cast(dbias, DBIAS_PART.dtype.element_ty),
              mask=(offs_m[:, None] < N) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _evoflash_bwd_dbias_sum_kernel(PART, OUT, SPLITS, NUMEL, BLOCK: tl.constexpr):
+    """``OUT = sum_k PART[k]`` over the dbias kernel's S chunks ``PART [SPLITS,
+    NUMEL]`` (fp32), in a fixed order, stored in ``OUT``'s dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < NUMEL
+    ptrs = PART + offs
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(0, SPLITS):
+        acc += tl.load(ptrs, mask=inside, other=0.0)
+        ptrs += NUMEL
+    tl.store(OUT + offs, _cast(acc, OUT.dtype.element_ty), mask=inside)

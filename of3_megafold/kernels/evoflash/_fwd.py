@@ -79,7 +79,7 @@ def _fwd_store(
 
 @triton.jit
 def _evoflash_fwd_kernel(
-    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE,
+    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE, RFLAG,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
@@ -162,3 +162,9 @@ def _evoflash_fwd_kernel(
                    _stat_ptr(LSE, b, s1, h, S, H, N),
                    _stat_ptr(RSCALE, b, s1, h, S, H, N),
                    offs_m, offs_d, stride_on, tl.where(s0 + 1 < S, N, 0), D)
+    # Zero the backward's per-slice flags (set by its preprocess kernel, after this
+    # kernel has run: no fill launch of its own).
+    if (m_blk == 0) & (h == 0):
+        tl.store(RFLAG + b * S + s0, 0)
+        if S_GROUP == 2:
+            tl.store(RFLAG + b * S + s0 + 1, 0, mask=s0 + 1 < S)

@@ -19,6 +19,7 @@ from ..backend import runs_on
 from . import configs, tuned
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
+    _evoflash_bwd_dbias_sum_kernel,
     _evoflash_bwd_dkdv_kernel,
     _evoflash_bwd_dq_kernel,
     _evoflash_bwd_preprocess_kernel,
@@ -67,6 +68,8 @@ _dkdv = _tunable(_evoflash_bwd_dkdv_kernel, "dkdv",
 _dbias = _tunable(_evoflash_bwd_dbias_kernel, "dbias",
                   configs.DBIAS_CONFIGS + configs.DBIAS_CONFIGS_FP32,
                   _KEY + ["FUSE_DQ"], reset_to_zero=["DQ_ACC"])
+_preprocess = TunedKernel(_evoflash_bwd_preprocess_kernel)
+_dbias_sum = TunedKernel(_evoflash_bwd_dbias_sum_kernel, options={"num_warps": 4})
 
 
 def _precision(high_precision: bool) -> int:
@@ -180,13 +183,15 @@ class _Inputs:
 
 
 def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
-    """Launch the forward kernel. Returns ``(o, lse, r)``: the output in the input
-    layout and dtype, and the two fp32 ``[B, S, H, N]`` row statistics."""
+    """Launch the forward kernel. Returns ``(o, lse, r, flags)``: the output in the
+    input layout and dtype, the two fp32 ``[B, S, H, N]`` row statistics and the
+    backward's int32 ``[B, S]`` fully-masked-query flags, zeroed here."""
     B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
     q = inp.q
     o = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, S, H, N), dtype=torch.float32, device=q.device)
     r = torch.empty_like(lse)
+    flags = torch.empty((B, S), dtype=torch.int32, device=q.device)
 
     def grid(meta):
         return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(S, meta["S_GROUP"])
@@ -198,7 +203,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
         Q=q, K=inp.k, V=inp.v,
         MASK=inp.mask if inp.mask is not None else q,
         BIAS=inp.bias if inp.bias is not None else q,
-        OUT=o, LSE=lse, RSCALE=r,
+        OUT=o, LSE=lse, RSCALE=r, RFLAG=flags,
         sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
@@ -206,7 +211,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
         stride_ob=sob, stride_os=sos, stride_on=son, stride_oh=soh,
         **inp.common_args(high_precision), **inp.bias_args(),
     )
-    return o, lse, r
+    return o, lse, r, flags
 
 
 @functools.cache
@@ -224,17 +229,24 @@ def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
     return max(1, min(wanted, inp.S // 16 if device.type == "cuda" else inp.S))
 
 
-def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Reduce a ``[B, S|1, H, N, N]`` gradient to a broadcast input's shape."""
+def _broadcast_dims(shape: torch.Size, full: tuple[int, ...]) -> list[int]:
+    """The dims of the 5-d ``full`` over which an input of ``shape`` was
+    broadcast (its gradient is summed over them)."""
     target = (1,) * (5 - len(shape)) + tuple(shape)
-    dims = [i for i in range(5) if target[i] == 1 and grad.shape[i] != 1]
+    return [i for i in range(5) if target[i] == 1 and full[i] != 1]
+
+
+def _finish_dbias(grad: torch.Tensor, inp: _Inputs) -> torch.Tensor:
+    """A ``[B, S|1, H, N, N]`` bias gradient in the pair bias's shape and dtype."""
+    dims = _broadcast_dims(inp.bias_shape, tuple(grad.shape))
     if dims:
         grad = grad.sum(dim=dims, keepdim=True)
-    return grad.reshape(shape)
+    return grad.reshape(inp.bias_shape).to(inp.bias.dtype)
 
 
 def evoflash_bwd(
-    inp: _Inputs, do: torch.Tensor, o, lse, r, scale: float, high_precision: bool,
+    inp: _Inputs, do: torch.Tensor, o, lse, r, flags, scale: float,
+    high_precision: bool,
     deterministic: bool, need_dq: bool, need_dkdv: bool, need_dbias: bool,
 ):
     """Launch the backward kernels. Returns ``(dq, dk, dv, dbias)``, None where not
@@ -248,10 +260,9 @@ def evoflash_bwd(
     sdb, sds, sdn, sdh = _strides(do)
     block_d = max(16, configs.next_power_of_2(D))
     pre_block = 64 if block_d <= 64 else 32
-    # S slices holding a query whose keys are all masked (r = 1/l there)
-    needs_r = torch.zeros((B, S), dtype=torch.int32, device=q.device)
-    _evoflash_bwd_preprocess_kernel[(configs.cdiv(N, pre_block), B * S * H)](
-        o, do, r, delta, needs_r,
+    # flags: S slices holding a query whose keys are all masked (r = 1/l there)
+    _preprocess[(configs.cdiv(N, pre_block), B * S * H)](
+        o, do, r, delta, flags,
         sob, sos, son, soh, sdb, sds, sdn, sdh,
         S, N, H, D, BLOCK_M=pre_block, BLOCK_D=block_d,
     )
@@ -293,17 +304,24 @@ def evoflash_bwd(
             return (configs.cdiv(N, meta["BLOCK_N"]) * configs.cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
-        _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=needs_r, **args,
+        _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=flags, **args,
                          **bias_args)
 
     need_dbias = need_dbias and inp.bias is not None
     reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
     fuse_dq = need_dq and reduce_over_s and not deterministic
+    # The bias gradient goes straight into a tensor of the bias's dtype unless the
+    # bias was broadcast over B or H too (then fp32, summed over those at the end).
+    bias_s = S if inp.bias_per_s else 1
+    direct = need_dbias and not _broadcast_dims(inp.bias_shape, (B, bias_s, H, N, N))
+    dbias_dtype = inp.bias.dtype if direct else torch.float32
     if reduce_over_s:
         splits = _dbias_splits(inp, q.device)
         s_chunk = configs.cdiv(S, splits)
         splits = configs.cdiv(S, s_chunk)
-        part = torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device)
+        dbias = torch.empty((B, 1, H, N, N), dtype=dbias_dtype, device=q.device)
+        part = (dbias.view(1, B, H, N, N) if splits == 1 else
+                torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device))
         dq_acc = (torch.zeros((B, S, N, H, D), dtype=torch.float32, device=q.device)
                   if fuse_dq else unused)
         sb, _, sh, si = inp.bias_strides
@@ -320,7 +338,10 @@ def evoflash_bwd(
             stride_dbh=part.stride(2), stride_dbi=part.stride(3),
             B=B, S_CHUNK=s_chunk, FUSE_DQ=fuse_dq,
         )
-        dbias = part.sum(0).unsqueeze(1) if splits > 1 else part[0].unsqueeze(1)
+        if splits > 1:
+            block = 1024
+            _dbias_sum[(configs.cdiv(dbias.numel(), block),)](
+                part, dbias, splits, dbias.numel(), BLOCK=block)
         if fuse_dq:
             dq = dq_acc.to(q.dtype)
 
@@ -329,8 +350,7 @@ def evoflash_bwd(
         if need_dq and not fuse_dq:
             dq = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
         if store_ds:
-            bias_s = S if inp.bias_per_s else 1
-            dbias = torch.empty((B, bias_s, H, N, N), dtype=torch.float32,
+            dbias = torch.empty((B, bias_s, H, N, N), dtype=dbias_dtype,
                                 device=q.device)
             db_strides = dbias.stride()[:4]
         else:
@@ -350,15 +370,17 @@ def evoflash_bwd(
         )
 
     if dbias is not None:
-        dbias = _sum_to_shape(dbias, inp.bias_shape).to(inp.bias.dtype)
+        dbias = dbias.view(inp.bias_shape) if direct else _finish_dbias(dbias, inp)
     return dq, dk, dv, dbias
 
 
 class EvoFlashAttentionFunction(torch.autograd.Function):
     """Autograd function behind :func:`evoflash_attention` (same arguments).
 
-    Saves Q, K, V, O and two fp32 statistics per query row; the probabilities are
-    recomputed in backward. The mask bias gets no gradient (it is a mask).
+    Saves Q, K, V, O, two fp32 statistics per query row and a flag per S slice
+    (a fully masked query there: the backward's preprocess sets it); the
+    probabilities are recomputed in backward. The mask bias gets no gradient (it
+    is a mask).
     """
 
     @staticmethod
@@ -372,11 +394,11 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             ctx.bias_shape = inp.bias_shape
             return torch.empty((inp.B, inp.S, inp.N, inp.H, inp.D), dtype=q.dtype,
                                device=q.device)
-        o, lse, r = evoflash_fwd(inp, scale, high_precision)
+        o, lse, r, flags = evoflash_fwd(inp, scale, high_precision)
         # The backward reuses the checked views' strides and flags; the tensors
         # travel through save_for_backward (in-place modification checks, and
         # freed after the backward: the node itself lives until the graph does).
-        ctx.save_for_backward(*inp.tensors(), o, lse, r)
+        ctx.save_for_backward(*inp.tensors(), o, lse, r, flags)
         ctx.inp = inp.with_tensors(None, None, None, None, None)
         ctx.scale = scale
         ctx.high_precision = high_precision
@@ -391,10 +413,10 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
                          if ctx.needs_input_grad[4] else None)
             return (*grads, None, bias_grad, None, None, None)
-        *tensors, o, lse, r = ctx.saved_tensors
+        *tensors, o, lse, r, flags = ctx.saved_tensors
         need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
         dq, dk, dv, dbias = evoflash_bwd(
-            ctx.inp.with_tensors(*tensors), do, o, lse, r, ctx.scale,
+            ctx.inp.with_tensors(*tensors), do, o, lse, r, flags, ctx.scale,
             ctx.high_precision, ctx.deterministic, need_dq, need_dk or need_dv,
             need_dbias,
         )
