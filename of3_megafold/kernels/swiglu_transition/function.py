@@ -39,9 +39,9 @@ from of3_megafold.kernels.swiglu_transition.reference import (
 
 logger = logging.getLogger(__name__)
 
-# Launched through TunedKernel: after the first launch of a tuning key, a call goes
-# straight to the compiled kernel (the autotuner's per-launch host work is skipped;
-# the "gemm" backward launches the input kernel once per chunk of rows).
+# Launched through TunedKernel: after the first launch of a tuning key, a call skips
+# the autotuner's per-launch host work and goes to the compiled kernel's launcher
+# (DirectLaunch; the "gemm" backward launches the input kernel once per chunk of rows).
 _fwd_kernel = TunedKernel(_swiglu_transition_fwd_kernel)
 _bwd_input_kernel = TunedKernel(_swiglu_transition_bwd_input_kernel)
 _bwd_weight_kernel = TunedKernel(_swiglu_transition_bwd_weight_kernel)
