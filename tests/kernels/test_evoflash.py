@@ -7,6 +7,7 @@ the tuned kernels at OF3's call-site shapes.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from dataclasses import dataclass
 
@@ -346,3 +347,53 @@ def test_gpu_backward_is_bitwise_reproducible(device):
         runs.append(torch.autograd.grad(o, (q, k, v, pair_bias), do))
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_shipped_table_keys_have_the_launches_form(device, monkeypatch):
+    """Every launch of a 16-bit triangle-like and single-attention call has a tuning
+    key whose dtype part (one dtype per tensor argument, in launch order) some
+    shipped entry of that kernel has: a kernel that gains a tensor argument, or an
+    output whose dtype changes, would otherwise silently miss the shipped table on
+    the GPU and tune at first use."""
+    import json
+
+    from of3_megafold.kernels._launch import TunedKernel
+    from of3_megafold.kernels.evoflash.tuned import tuned_path
+
+    def dtypes(key):
+        return tuple(str(k) for k in key if isinstance(k, (str, torch.dtype)))
+
+    table = json.loads(tuned_path("NVIDIA H200").read_text())["kernels"]
+    shipped = {name: {dtypes(e["key"]) for e in entries}
+               for name, entries in table.items()}
+    launched = set()
+    launch = TunedKernel._launch
+
+    def record(self, grid, kwargs):
+        launched.add((self._jit.fn.__name__, dtypes(self._key(kwargs))))
+        launch(self, grid, kwargs)
+
+    monkeypatch.setattr(TunedKernel, "_launch", record)
+    _dbias_splits = function._dbias_splits
+    # OF3's call sites as its training steps tuned them: triangle attention (bf16),
+    # the diffusion transformer at high precision (fp32 throughout) and the trunk's
+    # single attention at high precision (q, k, v upcast; bf16 mask and bias); the
+    # bias gradient's S chunks split (the interpreter's default) or not (the GPU's at
+    # large shapes)
+    sites = [("triangle", 3, torch.bfloat16), ("diffusion", 3, torch.float32),
+             ("single", 1, torch.bfloat16)]
+    for (site, S, dtype), splits in itertools.product(sites, (None, 1)):
+        if splits is not None:
+            monkeypatch.setattr(function, "_dbias_splits", lambda inp, dev, n=splits: n)
+        q, k, v, mask_bias, pair_bias, do = make_inputs(
+            Case(1, S, 16, 2, 32, dtype), device, seed=11)
+        if site == "single":
+            q, k, v, do = (t.detach().float().requires_grad_() for t in (q, k, v, do))
+        o = evoflash_attention(q, k, v, mask_bias, pair_bias,
+                               high_precision=site != "triangle")
+        o.backward(do)
+        monkeypatch.setattr(function, "_dbias_splits", _dbias_splits)
+    tuned_launches = {(n, d) for n, d in launched if n in shipped}
+    assert {n for n, _ in tuned_launches} == set(shipped)
+    for name, key_dtypes in tuned_launches:
+        assert key_dtypes in shipped[name], (name, key_dtypes)
