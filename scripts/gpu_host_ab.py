@@ -69,13 +69,9 @@ def _set_direct(on: bool) -> None:
 def _wall_ms(forward, inputs) -> float:
     import torch
 
-    q, k, v, mask_bias, pair_bias, do = inputs
+    from of3_megafold.bench.attention_core import _step
 
-    def step():
-        forward(q, k, v, mask_bias, pair_bias).backward(do)
-        for t in (q, k, v, pair_bias):
-            t.grad = None
-
+    step = _step(forward, *inputs)
     for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()

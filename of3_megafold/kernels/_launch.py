@@ -57,9 +57,9 @@ class DirectLaunch:
 
     @staticmethod
     def supports(jit: Any) -> bool:
-        """Whether ``jit`` is a compiled (not interpreted) Triton function with the
-        internals this relies on (its per-device binder)."""
-        return hasattr(jit, "device_caches") and hasattr(jit, "run")
+        """Whether ``jit`` is a compiled (not interpreted) Triton function: one with
+        the per-device binders this relies on."""
+        return hasattr(jit, "device_caches")
 
     def __call__(self, grid, args: list, options: dict, options_key: tuple) -> None:
         if _hooked(knobs.runtime.launch_enter_hook) or _hooked(
@@ -173,7 +173,7 @@ class TunedKernel:
     def __getitem__(self, grid) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
             if args:  # named in the kernel's parameter order
-                names = self._jit.arg_names
+                names = self._arg_names
                 if len(args) > len(names):
                     raise TypeError(f"{len(args)} arguments for {len(names)} params")
                 kwargs = {**dict(zip(names, args, strict=False)), **kwargs}

@@ -374,7 +374,6 @@ def test_shipped_table_keys_have_the_launches_form(device, monkeypatch):
         launch(self, grid, kwargs)
 
     monkeypatch.setattr(TunedKernel, "_launch", record)
-    _dbias_splits = function._dbias_splits
     # OF3's call sites as its training steps tuned them: triangle attention (bf16),
     # the diffusion transformer at high precision (fp32 throughout) and the trunk's
     # single attention at high precision (q, k, v upcast; bf16 mask and bias); the
@@ -382,17 +381,17 @@ def test_shipped_table_keys_have_the_launches_form(device, monkeypatch):
     # large shapes)
     sites = [("triangle", 3, torch.bfloat16), ("diffusion", 3, torch.float32),
              ("single", 1, torch.bfloat16)]
-    for (site, S, dtype), splits in itertools.product(sites, (None, 1)):
-        if splits is not None:
-            monkeypatch.setattr(function, "_dbias_splits", lambda inp, dev, n=splits: n)
+    for (site, S, dtype), unsplit in itertools.product(sites, (False, True)):
         q, k, v, mask_bias, pair_bias, do = make_inputs(
             Case(1, S, 16, 2, 32, dtype), device, seed=11)
         if site == "single":
             q, k, v, do = (t.detach().float().requires_grad_() for t in (q, k, v, do))
-        o = evoflash_attention(q, k, v, mask_bias, pair_bias,
-                               high_precision=site != "triangle")
-        o.backward(do)
-        monkeypatch.setattr(function, "_dbias_splits", _dbias_splits)
+        with monkeypatch.context() as patch:
+            if unsplit:
+                patch.setattr(function, "_dbias_splits", lambda inp, dev: 1)
+            o = evoflash_attention(q, k, v, mask_bias, pair_bias,
+                                   high_precision=site != "triangle")
+            o.backward(do)
     tuned_launches = {(n, d) for n, d in launched if n in shipped}
     assert {n for n, _ in tuned_launches} == set(shipped)
     for name, key_dtypes in tuned_launches:
