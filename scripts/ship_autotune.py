@@ -9,13 +9,14 @@ time in the tuning run that compared the most configurations (see :func:`collect
 and writes
 ``of3_megafold/kernels/evoflash/tuned/<gpu>.json``, which
 :class:`of3_megafold.kernels._launch.TunedKernel` uses instead of tuning that key again
-on a GPU of that name. The table records the fingerprint of the current config lists
-(``configs.lists_fingerprint``): run this on tuning results made with those lists. If
-the lists change, the kit ignores the table until it is rebuilt.
+on a GPU of that name. The table records, per kernel, the fingerprint of its current
+config list (``configs.lists_fingerprint``): run this on tuning results made with those
+lists. If a kernel's list changes, the kit ignores that kernel's entries until it is
+rebuilt.
 
 ``--merge`` keeps the shipped table's other keys and replaces or adds only the keys
-tuned in ``DIR`` (a session that tuned a few new shapes); the table must have been
-built over the same lists.
+tuned in ``DIR`` (a session that tuned a few new shapes or a new kernel); a kernel
+whose list changed since the table was built keeps none of its old entries.
 """
 
 from __future__ import annotations
@@ -70,17 +71,24 @@ def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
 
 
 def merged(shipped: dict, best: dict) -> dict[str, dict[tuple, tuple[float, dict]]]:
-    """``best`` over the ``shipped`` table's entries: the new keys win."""
-    if shipped.get("lists") != lists_fingerprint():
-        raise SystemExit("the shipped table was built over other config lists: "
-                         "rebuild it from all tuning results instead of merging")
+    """``best`` over the ``shipped`` table's entries: the new keys win. The shipped
+    entries of a kernel whose candidate list changed since are dropped."""
+    built_for = shipped.get("lists")
+    if not isinstance(built_for, dict):
+        built_for = {}
     result = {}
     for kernel in KERNELS:
+        entries = shipped["kernels"].get(kernel, [])
+        if built_for.get(kernel) != lists_fingerprint(kernel):
+            if entries:
+                print(f"{kernel}: the shipped entries were tuned over another config "
+                      "list; dropped")
+            entries = []
         keys = {
             tuple(entry["key"]): (entry["ms"], {
                 name: entry[name] for name in ("kwargs", "num_warps", "num_stages")
             })
-            for entry in shipped["kernels"].get(kernel, [])
+            for entry in entries
         }
         keys.update(best.get(kernel, {}))
         result[kernel] = keys
@@ -102,7 +110,7 @@ def main() -> int:
     table = {
         "gpu": args.gpu,
         "source": args.source,
-        "lists": lists_fingerprint(),
+        "lists": {kernel: lists_fingerprint(kernel) for kernel in KERNELS},
         "kernels": {
             kernel: [
                 {"key": list(key), "ms": round(ms, 4), **entry}

@@ -125,12 +125,13 @@ def test_shipped_evoflash_choices_name_current_candidates():
     from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path
 
     table = json.loads(tuned_path("NVIDIA H200").read_text())
-    assert table["lists"] == configs.lists_fingerprint(), (
-        "the config lists changed since the shipped table was built: rebuild it with "
-        "scripts/ship_autotune.py from a tuning run over the new lists (or delete it)"
-    )
     assert set(table["kernels"]) == set(KERNELS)
     for kernel, entries in table["kernels"].items():
+        assert table["lists"][kernel] == configs.lists_fingerprint(kernel), (
+            f"{kernel}'s config list changed since the shipped table was built: "
+            "rebuild it with scripts/ship_autotune.py from a tuning run over the new "
+            "list (--merge keeps the other kernels' entries)"
+        )
         assert entries, kernel
         for entry in entries:
             assert any(
@@ -156,22 +157,32 @@ def test_positional_arguments_in_parameter_order():
         kernel[(1,)](x, y, 17, 1.0, 16, True, 0)
 
 
-def test_a_table_built_for_other_lists_is_ignored(tmp_path, monkeypatch, caplog):
+def test_entries_built_for_another_list_are_ignored(tmp_path, monkeypatch, caplog):
+    """Per kernel: the entries of a kernel whose candidate list changed since the
+    table was built are ignored, the others' kept; a table from before per-kernel
+    fingerprints (one string) is ignored as a whole."""
     import json
 
     from of3_megafold.kernels.evoflash import configs, tuned
 
+    fwd, dq = "_evoflash_fwd_kernel", "_evoflash_bwd_dq_kernel"
     entry = {"key": [1024], "kwargs": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 3}
-    for gpu, lists in (("current", configs.lists_fingerprint()), ("stale", "0" * 16)):
-        table = {"lists": lists, "kernels": {"_evoflash_fwd_kernel": [entry]}}
+    kernels = {fwd: [entry], dq: [entry]}
+    tables = {
+        "mixed": {"lists": {fwd: configs.lists_fingerprint(fwd), dq: "0" * 16},
+                  "kernels": kernels},
+        "legacy": {"lists": "0" * 16, "kernels": kernels},
+    }
+    for gpu, table in tables.items():
         (tmp_path / f"{gpu}.json").write_text(json.dumps(table))
     monkeypatch.setattr(tuned, "tuned_path", lambda gpu: tmp_path / f"{gpu}.json")
     tuned._table.cache_clear()
     try:
-        assert tuned._table("current")["kernels"] == {"_evoflash_fwd_kernel": [entry]}
         with caplog.at_level("WARNING"):
-            assert tuned._table("stale")["kernels"] == {}
-        assert "built for other EvoFlash config lists" in caplog.text
+            assert tuned._table("mixed")["kernels"] == {fwd: [entry]}
+        assert f"another candidate list of {dq}" in caplog.text
+        assert fwd not in caplog.text
+        assert tuned._table("legacy")["kernels"] == {}
     finally:
         tuned._table.cache_clear()
 
@@ -181,13 +192,15 @@ def test_the_fingerprint_follows_the_lists(monkeypatch):
 
     from of3_megafold.kernels.evoflash import configs
 
-    before = configs.lists_fingerprint()
+    fwd, dq = "_evoflash_fwd_kernel", "_evoflash_bwd_dq_kernel"
+    before = {name: configs.lists_fingerprint(name) for name in (fwd, dq)}
     widened = dict(configs.CANDIDATES)
-    widened["_evoflash_fwd_kernel"] = widened["_evoflash_fwd_kernel"] + [
+    widened[fwd] = widened[fwd] + [
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "S_GROUP": 1}, num_warps=2)
     ]
     monkeypatch.setattr(configs, "CANDIDATES", widened)
-    assert configs.lists_fingerprint() != before
+    assert configs.lists_fingerprint(fwd) != before[fwd]
+    assert configs.lists_fingerprint(dq) == before[dq]
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ ship_autotune = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ship_autotune)
 
 KERNEL = "_evoflash_fwd_kernel"
+KERNELS = ship_autotune.KERNELS
 KEY = [1024, 256, 4, 32, True, 0, True, False, "torch.bfloat16"]
 
 
@@ -74,7 +75,7 @@ def test_the_table_records_the_lists_it_was_built_for(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["ship_autotune.py", str(tmp_path / "runs")])
     assert ship_autotune.main() == 0
     table = json.loads(out.read_text())
-    assert table["lists"] == lists_fingerprint()
+    assert table["lists"] == {name: lists_fingerprint(name) for name in KERNELS}
     assert table["kernels"][KERNEL] == [{"key": KEY, "ms": 1.0, **_config(64, 3)}]
 
 
@@ -83,7 +84,7 @@ def test_merge_keeps_the_shipped_keys_and_replaces_the_tuned_ones():
 
     other_key = KEY[:-1] + ["torch.float32"]
     shipped = {
-        "lists": lists_fingerprint(),
+        "lists": {KERNEL: lists_fingerprint(KERNEL)},
         "kernels": {KERNEL: [
             {"key": KEY, "ms": 5.0, **_config(128, 2)},
             {"key": other_key, "ms": 1.0, **_config(64, 2)},
@@ -97,8 +98,20 @@ def test_merge_keeps_the_shipped_keys_and_replaces_the_tuned_ones():
     }
 
 
-def test_merge_refuses_a_table_of_other_lists():
-    import pytest
+def test_merge_drops_the_entries_of_a_kernel_whose_list_changed(capsys):
+    from of3_megafold.kernels.evoflash.configs import lists_fingerprint
 
-    with pytest.raises(SystemExit, match="other config lists"):
-        ship_autotune.merged({"lists": "stale", "kernels": {}}, {})
+    other = next(name for name in KERNELS if name != KERNEL)
+    shipped = {
+        "lists": {KERNEL: "0" * 16, other: lists_fingerprint(other)},
+        "kernels": {KERNEL: [{"key": KEY, "ms": 5.0, **_config(128, 2)}],
+                    other: [{"key": KEY, "ms": 2.0, **_config(64, 2)}]},
+    }
+    merged = ship_autotune.merged(shipped, {})
+    assert merged[KERNEL] == {}
+    assert merged[other] == {tuple(KEY): (2.0, _config(64, 2))}
+    assert f"{KERNEL}: the shipped entries were tuned over another config" in (
+        capsys.readouterr().out)
+    # a table from before per-kernel fingerprints keeps nothing
+    legacy = ship_autotune.merged({**shipped, "lists": "c19daaf0704dcfd7"}, {})
+    assert all(not keys for keys in legacy.values())

@@ -7,10 +7,11 @@ TunedKernel` launches a listed key with its configuration instead of benchmarkin
 every candidate (a few minutes on the first training step of a fresh machine). A
 listed configuration that is not among the kernel's current candidates is ignored,
 and a key that is not listed is tuned as usual. A table records the fingerprint of the
-candidate lists it was built for (:func:`..configs.lists_fingerprint`); a table built
-for other lists is ignored as a whole (its choices never competed with the
-configurations added since: session 10 found such stale choices 25-33% slow), and
-every key is tuned as usual until the table is rebuilt. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
+candidate list of each kernel it was built for (:func:`..configs.lists_fingerprint`);
+a kernel whose list has changed since has its choices ignored (they never competed
+with the configurations added since: session 10 found such stale choices 25-33% slow),
+and its keys are tuned as usual until the table is rebuilt; the other kernels' choices
+still apply. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
 turns the table off (tune everything).
 """
 
@@ -32,6 +33,7 @@ KERNELS = (
     "_evoflash_fwd_kernel",
     "_evoflash_bwd_dq_kernel",
     "_evoflash_bwd_dkdv_kernel",
+    "_evoflash_bwd_dkdvdq_kernel",
     "_evoflash_bwd_dbias_kernel",
 )
 
@@ -43,18 +45,26 @@ def tuned_path(gpu: str) -> Path:
 
 @functools.cache
 def _table(gpu: str) -> dict[str, Any]:
+    """The table of ``gpu`` with the entries of kernels whose candidate list changed
+    since it was built left out."""
     path = tuned_path(gpu)
     if not path.exists():
         return {"kernels": {}}
     table = json.loads(path.read_text())
-    if table.get("lists") != lists_fingerprint():
-        logger.warning(
-            "%s was built for other EvoFlash config lists; ignoring it (every key is "
-            "tuned at first use). Rebuild it with scripts/ship_autotune.py.",
-            path.name,
-        )
-        return {"kernels": {}}
-    return table
+    built_for = table.get("lists")
+    if not isinstance(built_for, dict):  # a table from before per-kernel digests
+        built_for = {}
+    kernels = {}
+    for kernel, entries in table.get("kernels", {}).items():
+        if kernel in KERNELS and built_for.get(kernel) == lists_fingerprint(kernel):
+            kernels[kernel] = entries
+        else:
+            logger.warning(
+                "%s was built for another candidate list of %s; ignoring its choices "
+                "for that kernel (its keys are tuned at first use). Rebuild it with "
+                "scripts/ship_autotune.py.", path.name, kernel,
+            )
+    return {**table, "kernels": kernels}
 
 
 def tuned_configs(kernel: str) -> dict[tuple, dict]:
