@@ -18,8 +18,7 @@ variant, bitwise reproducibility), with the tests' rule: error <= 2 x plain torc
 error in the same precision + a small floor.
 
 Timing (``triton.testing.do_bench`` median, forward + backward, bf16): the kit
-(deterministic, ``kit-separate``: deterministic with dQ in its own kernel, and
-atomic), SDPA memory-efficient with the bias expanded over S,
+(deterministic and atomic), SDPA memory-efficient with the bias expanded over S,
 OF3's Triton kernel; then each kit kernel's autotuning table (ms per config) at the
 shapes timed, which is what the config lists are tuned from. ``--wide`` tunes
 every kernel afresh over a wider grid of tile shapes, S pairing, warps and stages
@@ -53,7 +52,7 @@ from of3_megafold.kernels.evoflash import function as evoflash_function  # noqa:
 from tests.kernels.test_evoflash import GPU_CASES, Case, check_case  # noqa: E402
 
 TUNED = {name: getattr(evoflash_function, f"_{name}").autotuner
-         for name in ("fwd", "dq", "dkdv", "dkdvdq", "dbias")}
+         for name in ("fwd", "dq", "dkdv", "dbias")}
 
 
 def run_checks() -> bool:
@@ -140,7 +139,6 @@ def _set_configs(configs_by_kernel: dict) -> None:
 def _short(cfg) -> str:
     kw = cfg.kwargs
     group = f"x{kw['S_GROUP']}" if "S_GROUP" in kw else ""
-    group += f"p{kw['PROGRAMS_PER_SM']}" if "PROGRAMS_PER_SM" in kw else ""
     return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}{group}"
             f"/w{cfg.num_warps}s{cfg.num_stages}")
 
@@ -176,8 +174,6 @@ def widen_tuning() -> None:
     }
     os.environ["OF3_MEGAFOLD_TUNED_CONFIGS"] = "0"  # read at the first launch
     for name, tuner in TUNED.items():
-        if name not in wide:  # the fused dK/dV/dQ kernel: its own list
-            continue
         half, single = wide[name]
         evoflash_configs.FP32_CONFIGS.update(id(c) for c in single)
         tuner.configs = half + single
@@ -192,12 +188,7 @@ def time_shape(name: str, shape, providers, high_precision: bool = False) -> Non
     for provider in providers:
         try:
             q, k, v, m, b, do = _inputs(shape, "cuda", torch.bfloat16, torch.bfloat16)
-            # kit-separate: the deterministic backward with dK/dV and dQ in two
-            # kernels, as before the fused dK/dV/dQ kernel (session 12)
-            evoflash_function.DQ_PATH = ("separate" if provider == "kit-separate"
-                                         else "auto")
-            fwd = _forward_fn("kit" if provider == "kit-separate" else provider,
-                              high_precision)
+            fwd = _forward_fn(provider, high_precision)
             leaves = (q, k, v, b)
 
             def step(fwd=fwd, q=q, k=k, v=v, m=m, b=b, do=do, leaves=leaves):
@@ -233,7 +224,6 @@ def time_shape(name: str, shape, providers, high_precision: bool = False) -> Non
         except Exception as err:  # noqa: BLE001
             print(f"{name:10} {'x'.join(map(str, shape)):>16} {provider:14} "
                   f"ERROR {str(err).splitlines()[0][:150]}")
-        evoflash_function.DQ_PATH = "auto"
         torch.cuda.empty_cache()
 
 
@@ -253,8 +243,7 @@ def main() -> int:
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--sizes", type=int, nargs="*", default=[512, 1024])
     parser.add_argument("--providers", nargs="*",
-                        default=["kit", "kit-separate", "kit-atomic", "sdpa",
-                                 "of3-triton"])
+                        default=["kit", "kit-atomic", "sdpa", "of3-triton"])
     parser.add_argument("--wide", action="store_true",
                         help="tune over a wider config grid first")
     parser.add_argument("--diffusion", action=argparse.BooleanOptionalAction,

@@ -178,49 +178,15 @@ def test_matches_fp64_reference(case, device):
     check_case(case, device, seed=zlib.crc32(str(case).encode()))
 
 
-@pytest.mark.parametrize("case", [CPU_CASES[2], CPU_CASES[6], CPU_CASES[8]], ids=str)
-def test_separate_dq_kernel(case, device, monkeypatch):
-    """The deterministic backward with dQ in its own kernel (the fused dK/dV/dQ
-    kernel is the default wherever both are needed)."""
-    monkeypatch.setattr(function, "DQ_PATH", "separate")
-    check_case(case, device, seed=zlib.crc32(str(case).encode()))
-
-
-def test_fused_dq_kernel_blocks_and_programs(device, monkeypatch):
-    """The fused kernel with unequal blocks, and fewer persistent programs than S
-    slices (several slices per program reuse one dQ accumulator); its launches
-    really take that path."""
-    if not configs.INTERPRET:
-        pytest.skip("sets the interpreter's fixed configs (the GPU autotunes)")
-    fused = function._dkdvdq
-    monkeypatch.setattr(fused, "_fixed", {"BLOCK_M": 32, "BLOCK_N": 16,
-                                          "PROGRAMS_PER_SM": 2})
-    monkeypatch.setattr(fused, "_chosen", {})
-    monkeypatch.setattr(function, "DQ_PATH", "fused")
-    check_case(Case(2, 3, 40, 2, 24), device, seed=12)
-    assert [meta for meta, _ in fused._chosen.values()] == [
-        {"BLOCK_M": 32, "BLOCK_N": 16, "PROGRAMS_PER_SM": 2}]
-
-
-def test_rejects_unknown_dq_path(device, monkeypatch):
-    monkeypatch.setattr(function, "DQ_PATH", "atomic")
-    q, k, v, mask_bias, pair_bias, do = make_inputs(Case(1, 2, 16, 1, 16), device, 0)
-    o = evoflash_attention(q, k, v, mask_bias, pair_bias)
-    with pytest.raises(ValueError, match="DQ_PATH"):
-        o.backward(do)
-
-
 def test_atomic_dq_variant(device):
     case = Case(1, 3, 33, 2, 24, torch.bfloat16)
     check_case(case, device, seed=1, deterministic=False)
 
 
 def test_one_slice_per_program(device, monkeypatch):
-    """S_GROUP = 1 and unequal blocks (the interpreter default pairs slices), in
-    the separate dQ and dK/dV kernels."""
+    """S_GROUP = 1 and unequal blocks (the interpreter default pairs slices)."""
     if not configs.INTERPRET:
         pytest.skip("sets the interpreter's fixed configs (the GPU autotunes)")
-    monkeypatch.setattr(function, "DQ_PATH", "separate")
     cfgs = {name: {**c, "BLOCK_M": 32, "BLOCK_N": 16} for name, c in
             configs.INTERPRETER_CONFIGS.items()}
     for name in ("fwd", "dq", "dkdv"):

@@ -8,10 +8,6 @@ registers: no atomics, a fixed summation order, bit-reproducible gradients.
 
 * ``_evoflash_bwd_dkdv_kernel``: program per (b, h, S group, key block), loops over
   query blocks (flash-attention 2's dK/dV kernel; Dao, 2023).
-* ``_evoflash_bwd_dkdvdq_kernel``: the two above in one pass (the default where
-  both run): persistent programs own whole S slices and add each key block's share
-  of dQ to a per-program fp32 accumulator with plain loads and stores, in key-block
-  order, so dQ needs no pass of its own and no atomics.
 * ``_evoflash_bwd_dq_kernel``: program per (b, h, S group, query block), loops over
   key blocks. Where the bias gradient needs no S reduction (S == 1, or a bias with
   its own S axis) it also stores ``dS`` as the bias gradient.
@@ -27,9 +23,8 @@ the dK/dV kernel's ``dV = P^T dO`` needs it on the tile itself, and only in the 
 slices that hold a fully masked query, flagged per slice by the launcher.
 
 Pass count: at OF3's triangle shapes the exponentials, not the dots, bound the
-time; the deterministic backward recomputes P twice with the fused dK/dV/dQ kernel
-(dK/dV/dQ, dbias), three times with separate dK/dV and dQ kernels; the atomic
-variant twice.
+time; the deterministic backward recomputes P three times (dK/dV, dQ, dbias), the
+atomic variant twice.
 """
 
 import triton
@@ -87,9 +82,7 @@ def _dkdv_query_block(
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
     PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dK/dV of one key block and one S slice, from the query block ``offs_m``;
-    also returns the tile's ``dS^T`` (in the dots' dtype) for a caller that adds
-    this key block's share of dQ.
+    """dK/dV of one key block and one S slice, from the query block ``offs_m``.
     Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
     dots without a layout change; the bias comes pre-transposed. ``r`` enters dS
     through an FMA; it reaches dV (a per-query factor inside the sum) only in the
@@ -110,12 +103,12 @@ def _dkdv_query_block(
         s_t += key_mask[:, None]
     p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION)
-    ds_t = _cast(p_t * (dp_t * r[None, :] - delta[None, :]), q.dtype)
-    dk = _dot(ds_t, q, dk, PRECISION)
+    ds_t = p_t * (dp_t * r[None, :] - delta[None, :])
+    dk = _dot(_cast(ds_t, q.dtype), q, dk, PRECISION)
     if needs_r:
         p_t = p_t * r[None, :]
     dv = _dot(_cast(p_t, do.dtype), do, dv, PRECISION)
-    return dk, dv, ds_t
+    return dk, dv
 
 
 @triton.jit
@@ -184,7 +177,7 @@ def _evoflash_bwd_dkdv_kernel(
                                 stride_bs, stride_bh, stride_bi, EVEN_N)
         else:
             bias_t = 0.0
-        dk0, dv0, _ = _dkdv_query_block(
+        dk0, dv0 = _dkdv_query_block(
             dk0, dv0, k0, v0, mask0, bias_t, needs_r0, Q0, DO0,
             _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
             _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
@@ -194,7 +187,7 @@ def _evoflash_bwd_dkdv_kernel(
             if BIAS_PER_S:
                 bias_t = _load_bias(BIAS_T, b, s1, h, offs_n, offs_m, N, stride_bb,
                                     stride_bs, stride_bh, stride_bi, EVEN_N)
-            dk1, dv1, _ = _dkdv_query_block(
+            dk1, dv1 = _dkdv_query_block(
                 dk1, dv1, k1, v1, mask1, bias_t, needs_r1, Q1, DO1,
                 _stat_ptr(LSE, b, s1, h, S, H, N),
                 _stat_ptr(RSCALE, b, s1, h, S, H, N),
@@ -215,98 +208,6 @@ def _evoflash_bwd_dkdv_kernel(
         DV1 = _row_ptr(DV, b, s1, h, stride_gb, stride_gs, stride_gh)
         tl.store(DK1 + g_ptrs, _cast(dk1 * sm_scale, DK.dtype.element_ty), mask=g_mask)
         tl.store(DV1 + g_ptrs, _cast(dv1, DV.dtype.element_ty), mask=g_mask)
-
-
-@triton.jit
-def _evoflash_bwd_dkdvdq_kernel(
-    Q, K, V, DO, MASK, BIAS_T, LSE, RSCALE, RFLAG, DELTA, DK, DV, DQ, DQ_ACC,
-    sm_scale,
-    stride_qb, stride_qs, stride_qn, stride_qh,
-    stride_kb, stride_ks, stride_kn, stride_kh,
-    stride_vb, stride_vs, stride_vn, stride_vh,
-    stride_dob, stride_dos, stride_don, stride_doh,
-    stride_gb, stride_gs, stride_gn, stride_gh,
-    stride_mb, stride_ms, stride_mn,
-    stride_bb, stride_bs, stride_bh, stride_bi,
-    B, S, N, H, D, ACC_ROWS,
-    N_BUCKET, S_BUCKET,  # autotuning key only
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PROGRAMS_PER_SM: tl.constexpr,  # the launch grid's only
-    EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
-):
-    """dK, dV and dQ in one pass over the exponentials, deterministic.
-
-    Persistent programs; each takes whole ``(b, s, h)`` slices in turn and walks
-    them key block by key block (dK/dV in registers, as in the dK/dV kernel). A key
-    block's share of dQ, ``dS K``, is added to an fp32 ``[ACC_ROWS, BLOCK_D]``
-    accumulator that only this program touches (``DQ_ACC[program]``, in L2), with
-    plain loads and stores in key-block order: no atomics, a fixed summation order.
-    After the slice's last key block the accumulator is scaled and stored as dQ.
-    """
-    pid = tl.program_id(0)
-    acc_base = DQ_ACC + pid.to(tl.int64) * ACC_ROWS * BLOCK_D
-    offs_d = tl.arange(0, BLOCK_D)
-    acc_cols = offs_d[None, :]
-    for item in range(pid, B * S * H, tl.num_programs(0)):
-        h = item % H
-        s = (item // H) % S
-        b = item // (H * S)
-        Q_row = _row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh)
-        DO_row = _row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh)
-        K_row = _row_ptr(K, b, s, h, stride_kb, stride_ks, stride_kh)
-        V_row = _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh)
-        DK_row = _row_ptr(DK, b, s, h, stride_gb, stride_gs, stride_gh)
-        DV_row = _row_ptr(DV, b, s, h, stride_gb, stride_gs, stride_gh)
-        LSE_row = _stat_ptr(LSE, b, s, h, S, H, N)
-        R_row = _stat_ptr(RSCALE, b, s, h, S, H, N)
-        DELTA_row = _stat_ptr(DELTA, b, s, h, S, H, N)
-        needs_r = tl.load(RFLAG + b * S + s) != 0
-        for start_n in range(0, N, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D,
-                           False, PRECISION > 0)
-            v = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D,
-                           False, PRECISION > 0)
-            key_mask = _load_key_mask(MASK, b, s, offs_n, N, stride_mb, stride_ms,
-                                      stride_mn, HAS_MASK, EVEN_N)
-            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            # Every thread's accumulator stores of the previous key block (and of
-            # the previous slice's final reads) are done before any is read again.
-            tl.debug_barrier()
-            for start_m in range(0, N, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                if HAS_BIAS:
-                    bias_t = _load_bias(BIAS_T, b, s, h, offs_n, offs_m, N,
-                                        stride_bb, stride_bs, stride_bh, stride_bi,
-                                        EVEN_N)
-                else:
-                    bias_t = 0.0
-                dk, dv, ds_t = _dkdv_query_block(
-                    dk, dv, k, v, key_mask, bias_t, needs_r, Q_row, DO_row,
-                    LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D, stride_qn,
-                    stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                    PRECISION)
-                dq = _dot(tl.trans(ds_t), k, None, PRECISION)
-                acc_ptrs = acc_base + offs_m[:, None] * BLOCK_D + acc_cols
-                if start_n > 0:
-                    dq += tl.load(acc_ptrs)
-                tl.store(acc_ptrs, dq)
-            g_ptrs = offs_n[:, None] * stride_gn + offs_d[None, :]
-            g_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-            tl.store(DK_row + g_ptrs, _cast(dk * sm_scale, DK.dtype.element_ty),
-                     mask=g_mask)
-            tl.store(DV_row + g_ptrs, _cast(dv, DV.dtype.element_ty), mask=g_mask)
-        tl.debug_barrier()
-        DQ_row = _row_ptr(DQ, b, s, h, stride_gb, stride_gs, stride_gh)
-        for start_m in range(0, N, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            dq = tl.load(acc_base + offs_m[:, None] * BLOCK_D + acc_cols)
-            tl.store(DQ_row + offs_m[:, None] * stride_gn + offs_d[None, :],
-                     _cast(dq * sm_scale, DQ.dtype.element_ty),
-                     mask=(offs_m[:, None] < N) & (offs_d[None, :] < D))
 
 
 @triton.jit

@@ -29,9 +29,8 @@ from ..backend import interpreter_enabled
 INTERPRET = interpreter_enabled()
 
 
-def _cfg(block_m: int, block_n: int, s_group: int | None, warps: int, stages: int,
-         **extra: int):
-    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, **extra}
+def _cfg(block_m: int, block_n: int, s_group: int | None, warps: int, stages: int):
+    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     if s_group is not None:
         kwargs["S_GROUP"] = s_group
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
@@ -66,17 +65,6 @@ DKDV_CONFIGS = [
     _cfg(32, 64, 1, 4, 3),
     _cfg(64, 64, 1, 4, 3),
 ]
-# The fused dK/dV/dQ kernel: BLOCK_N keys owned, BLOCK_M query rows per step; its
-# persistent grid holds PROGRAMS_PER_SM programs per SM (at most MAX_PROGRAMS_PER_SM,
-# which sizes the dQ accumulators).
-DKDVDQ_CONFIGS = [
-    _cfg(64, 64, None, 4, 3, PROGRAMS_PER_SM=2),
-    _cfg(64, 64, None, 4, 2, PROGRAMS_PER_SM=2),
-    _cfg(32, 64, None, 4, 3, PROGRAMS_PER_SM=2),
-    _cfg(64, 128, None, 8, 2, PROGRAMS_PER_SM=1),
-    _cfg(128, 64, None, 8, 2, PROGRAMS_PER_SM=1),
-    _cfg(64, 64, None, 4, 2, PROGRAMS_PER_SM=3),
-]
 # fp32 tiles (fp32 inputs or high precision) hold twice the registers: smaller.
 FWD_CONFIGS_FP32 = [
     _cfg(64, 64, 1, 4, 2),
@@ -92,11 +80,6 @@ DKDV_CONFIGS_FP32 = [
     _cfg(32, 64, 1, 4, 2),
     _cfg(32, 128, 1, 8, 2),
 ]
-DKDVDQ_CONFIGS_FP32 = [
-    _cfg(32, 64, None, 4, 2, PROGRAMS_PER_SM=2),
-    _cfg(64, 32, None, 4, 2, PROGRAMS_PER_SM=2),
-]
-MAX_PROGRAMS_PER_SM = 3
 # dbias: a BLOCK_M x BLOCK_N tile of the bias gradient owned, S walked.
 DBIAS_CONFIGS = [
     _cfg(64, 64, None, 4, 2),
@@ -116,7 +99,6 @@ INTERPRETER_CONFIGS = {
     "fwd": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
     "dq": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
     "dkdv": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
-    "dkdvdq": {"BLOCK_M": 16, "BLOCK_N": 16, "PROGRAMS_PER_SM": 1},
     "dbias": {"BLOCK_M": 16, "BLOCK_N": 16},
 }
 
@@ -154,15 +136,13 @@ def _block_area(cfg) -> int:
 
 
 FP32_CONFIGS = {id(c) for c in (FWD_CONFIGS_FP32 + DQ_CONFIGS_FP32
-                                 + DKDV_CONFIGS_FP32 + DKDVDQ_CONFIGS_FP32
-                                 + DBIAS_CONFIGS_FP32)}
+                                 + DKDV_CONFIGS_FP32 + DBIAS_CONFIGS_FP32)}
 
 # Every kernel's candidates, both precisions, by the kernel's name.
 CANDIDATES = {
     "_evoflash_fwd_kernel": FWD_CONFIGS + FWD_CONFIGS_FP32,
     "_evoflash_bwd_dq_kernel": DQ_CONFIGS + DQ_CONFIGS_FP32,
     "_evoflash_bwd_dkdv_kernel": DKDV_CONFIGS + DKDV_CONFIGS_FP32,
-    "_evoflash_bwd_dkdvdq_kernel": DKDVDQ_CONFIGS + DKDVDQ_CONFIGS_FP32,
     "_evoflash_bwd_dbias_kernel": DBIAS_CONFIGS + DBIAS_CONFIGS_FP32,
 }
 

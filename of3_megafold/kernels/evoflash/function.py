@@ -21,7 +21,6 @@ from ._bwd import (
     _evoflash_bwd_dbias_kernel,
     _evoflash_bwd_dbias_sum_kernel,
     _evoflash_bwd_dkdv_kernel,
-    _evoflash_bwd_dkdvdq_kernel,
     _evoflash_bwd_dq_kernel,
     _evoflash_bwd_preprocess_kernel,
 )
@@ -66,9 +65,6 @@ _dq = _tunable(_evoflash_bwd_dq_kernel, "dq",
 _dkdv = _tunable(_evoflash_bwd_dkdv_kernel, "dkdv",
                  configs.DKDV_CONFIGS + configs.DKDV_CONFIGS_FP32,
                  _KEY + ["HAS_BIAS", "BIAS_PER_S"])
-_dkdvdq = _tunable(_evoflash_bwd_dkdvdq_kernel, "dkdvdq",
-                   configs.DKDVDQ_CONFIGS + configs.DKDVDQ_CONFIGS_FP32,
-                   _KEY + ["HAS_BIAS", "BIAS_PER_S"])
 _dbias = _tunable(_evoflash_bwd_dbias_kernel, "dbias",
                   configs.DBIAS_CONFIGS + configs.DBIAS_CONFIGS_FP32,
                   _KEY + ["FUSE_DQ"], reset_to_zero=["DQ_ACC"])
@@ -223,28 +219,11 @@ def _multiprocessors(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sms(device: torch.device) -> int:
-    """Multiprocessors of ``device``; 2 under the interpreter, so that small test
-    shapes exercise the persistent and split paths."""
-    return _multiprocessors(device.index) if device.type == "cuda" else 2
-
-
-# How the deterministic backward gets dQ when it also computes dK/dV: "fused" (one
-# pass, ``_evoflash_bwd_dkdvdq_kernel``), "separate" (dK/dV and dQ kernels), or
-# "auto" (fused). A module attribute so benchmarks and tests can force either.
-DQ_PATH = "auto"
-
-
-def _fused_dq(need_dq: bool, need_dkdv: bool, store_ds: bool) -> bool:
-    if DQ_PATH not in ("auto", "fused", "separate"):
-        raise ValueError(f"DQ_PATH must be auto, fused or separate, not {DQ_PATH!r}")
-    return need_dq and need_dkdv and not store_ds and DQ_PATH != "separate"
-
-
 def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
     """S chunks for the dbias kernel: enough programs for two waves of 128 x 128
     tiles, at least 16 S slices per chunk (summed afterwards, in a fixed order)."""
-    sms = _sms(device)
+    # the interpreter: 2 "SMs", to exercise the split path at small sizes
+    sms = _multiprocessors(device.index) if device.type == "cuda" else 2
     tiles = inp.B * inp.H * configs.cdiv(inp.N, 128) ** 2
     wanted = configs.cdiv(2 * sms, tiles)
     return max(1, min(wanted, inp.S // 16 if device.type == "cuda" else inp.S))
@@ -307,11 +286,6 @@ def evoflash_bwd(
     )
     bias = inp.bias if inp.bias is not None else q
     dq = dk = dv = dbias = None
-    need_dbias = need_dbias and inp.bias is not None
-    reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
-    fuse_dq_dbias = need_dq and reduce_over_s and not deterministic
-    store_ds = need_dbias and not reduce_over_s
-    fuse_dq_dkdv = not fuse_dq_dbias and _fused_dq(need_dq, need_dkdv, store_ds)
 
     if need_dkdv:
         dk = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
@@ -326,28 +300,16 @@ def evoflash_bwd(
             bias_args.update(stride_bb=bte.stride(0), stride_bs=bte.stride(1),
                              stride_bh=bte.stride(2), stride_bi=bte.stride(3))
 
-        if fuse_dq_dkdv:
-            dq = torch.empty_like(dk)
-            # One fp32 [ACC_ROWS, BLOCK_D] dQ accumulator per persistent program.
-            slots = min(B * S * H, _sms(q.device) * configs.MAX_PROGRAMS_PER_SM)
-            acc_rows = configs.cdiv(N, 128) * 128
-            dq_acc = torch.empty((slots, acc_rows, block_d), dtype=torch.float32,
-                                 device=q.device)
+        def grid_dkdv(meta):
+            return (configs.cdiv(N, meta["BLOCK_N"]) * configs.cdiv(S, meta["S_GROUP"])
+                    * H * B,)
 
-            def grid_fused(meta):
-                return (min(B * S * H, _sms(q.device) * meta["PROGRAMS_PER_SM"]),)
+        _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=flags, **args,
+                         **bias_args)
 
-            _dkdvdq[grid_fused](DK=dk, DV=dv, DQ=dq, DQ_ACC=dq_acc, BIAS_T=bias_t,
-                                RFLAG=flags, B=B, ACC_ROWS=acc_rows, **args,
-                                **bias_args)
-        else:
-            def grid_dkdv(meta):
-                return (configs.cdiv(N, meta["BLOCK_N"])
-                        * configs.cdiv(S, meta["S_GROUP"]) * H * B,)
-
-            _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=flags, **args,
-                             **bias_args)
-
+    need_dbias = need_dbias and inp.bias is not None
+    reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
+    fuse_dq = need_dq and reduce_over_s and not deterministic
     # The bias gradient goes straight into a tensor of the bias's dtype unless the
     # bias was broadcast over B or H too (then fp32, summed over those at the end).
     bias_s = S if inp.bias_per_s else 1
@@ -361,7 +323,7 @@ def evoflash_bwd(
         part = (dbias.view(1, B, H, N, N) if splits == 1 else
                 torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device))
         dq_acc = (torch.zeros((B, S, N, H, D), dtype=torch.float32, device=q.device)
-                  if fuse_dq_dbias else unused)
+                  if fuse_dq else unused)
         sb, _, sh, si = inp.bias_strides
 
         def grid_dbias(meta):
@@ -374,18 +336,18 @@ def evoflash_bwd(
             stride_bb=sb, stride_bh=sh, stride_bi=si,
             stride_dbp=part.stride(0), stride_dbb=part.stride(1),
             stride_dbh=part.stride(2), stride_dbi=part.stride(3),
-            B=B, S_CHUNK=s_chunk, FUSE_DQ=fuse_dq_dbias,
+            B=B, S_CHUNK=s_chunk, FUSE_DQ=fuse_dq,
         )
         if splits > 1:
             block = 1024
             _dbias_sum[(configs.cdiv(dbias.numel(), block),)](
                 part, dbias, splits, dbias.numel(), BLOCK=block)
-        if fuse_dq_dbias:
+        if fuse_dq:
             dq = dq_acc.to(q.dtype)
 
-    compute_dq = need_dq and not fuse_dq_dbias and not fuse_dq_dkdv
-    if compute_dq or store_ds:
-        if compute_dq:
+    store_ds = need_dbias and not reduce_over_s
+    if (need_dq and not fuse_dq) or store_ds:
+        if need_dq and not fuse_dq:
             dq = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
         if store_ds:
             dbias = torch.empty((B, bias_s, H, N, N), dtype=dbias_dtype,
@@ -400,11 +362,11 @@ def evoflash_bwd(
 
         _dq[grid_dq](
             BIAS=bias, **args, **inp.bias_args(),
-            DQ=dq if compute_dq else unused,
+            DQ=dq if dq is not None else unused,
             DBIAS=dbias if store_ds else unused,
             stride_dbb=db_strides[0], stride_dbs=db_strides[1],
             stride_dbh=db_strides[2], stride_dbi=db_strides[3],
-            COMPUTE_DQ=compute_dq, STORE_DS=store_ds,
+            COMPUTE_DQ=need_dq and not fuse_dq, STORE_DS=store_ds,
         )
 
     if dbias is not None:

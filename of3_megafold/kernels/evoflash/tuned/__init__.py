@@ -33,7 +33,6 @@ KERNELS = (
     "_evoflash_fwd_kernel",
     "_evoflash_bwd_dq_kernel",
     "_evoflash_bwd_dkdv_kernel",
-    "_evoflash_bwd_dkdvdq_kernel",
     "_evoflash_bwd_dbias_kernel",
 )
 
