@@ -19,15 +19,15 @@ if [ -d .whl ]; then
     if [ ! -f /tmp/site/.of3mf-installed ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target /tmp/site .whl/*.whl || exit 1
-        # rdkit's drawing module links libXrender, which some GPU machines lack
-        # (session 12's did); OF3 imports it (through pdbeccdutils) but never draws
-        if ! python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import rdkit.Chem.Draw" 2>/dev/null; then
-            mv /tmp/site/rdkit/Chem/Draw /tmp/site/rdkit/Chem/Draw.unloadable
-            mkdir /tmp/site/rdkit/Chem/Draw
-            echo '"""Import-only stand-in: the real module needs libXrender (gpu_session.sh)."""' \
-                >/tmp/site/rdkit/Chem/Draw/__init__.py
-        fi
         touch /tmp/site/.of3mf-installed
+    fi
+    # rdkit's drawing module links libXrender, which some GPU machines lack
+    # (session 12's did); OF3 imports it (through pdbeccdutils) but never draws
+    if ! python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import rdkit.Chem.Draw" 2>/dev/null; then
+        mv /tmp/site/rdkit/Chem/Draw /tmp/site/rdkit/Chem/Draw.unloadable
+        mkdir /tmp/site/rdkit/Chem/Draw
+        echo '"""Import-only stand-in: the real module needs libXrender (gpu_session.sh)."""' \
+            >/tmp/site/rdkit/Chem/Draw/__init__.py
     fi
     export PYTHONPATH="/tmp/site:$PWD"
 fi
