@@ -94,6 +94,9 @@ for spec in "$@"; do
                    run of3-tests "${limit:-300}" python3 -m of3_megafold.cli test-of3 \
                        --extensions all --subset ci test_of3_model.py -q -rfs -p no:warnings --continue-on-collection-errors ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
+        # shellcheck disable=SC2086  # $extra: options for gpu_profile_module.py
+        profile-module) run profile-module "${limit:-180}" python3 scripts/gpu_profile_module.py \
+            "$OUT/profile_module.txt" $extra ;;
         host) run host "${limit:-240}" python3 scripts/gpu_profile_kernels.py "$OUT/host.txt" --host ;;
         # this checkout against an older one in one process (carry .host-ab-old: --prepare)
         host-ab) run host-ab "${limit:-200}" python3 scripts/gpu_host_ab.py "$OUT/host_ab.txt" ;;
