@@ -1,11 +1,12 @@
 """Where OF3's TriangleAttention module spends its time with the kit's core, on one GPU.
 
     python scripts/gpu_profile_module.py [OUT.txt] [--sizes 768 1024]
-        [--providers kit of3-triton]
+        [--providers kit kit-core of3-triton]
 
 ``bench attention``'s triangle case (``TriangleAttention(c_in=128, c_hidden=32,
-no_heads=4)``, bf16, input ``[1, N, N, 128]``) for each provider, forward + backward
-after warm-up, under ``torch.profiler``: the CUDA time per call split by operator
+no_heads=4)``, bf16, input ``[1, N, N, 128]``) for each provider (``kit``: the
+bench's kit; ``kit-core``: EvoFlash alone, OF3's LayerNorm; ``of3-triton``),
+forward + backward after warm-up, under ``torch.profiler``: the CUDA time per call split by operator
 (``aten::`` ops and Triton kernels, self time), and the same split by CUDA kernel.
 The module's time outside the attention core (LayerNorm, projections, gating, copies:
 7.8 ms of 22.1 at N=1024 in session 11's bench) is what this breaks down.
@@ -45,12 +46,13 @@ def _table(events, per_call: int, key: str) -> str:
 
 def profile_case(n: int, provider: str) -> str:
     from of3_megafold import activate
-    from of3_megafold.bench.attention_module import _step, _triangle
+    from of3_megafold.bench.attention_module import KIT, _step, _triangle
 
     module, inputs, flags = _triangle(n, torch.device("cuda"))
     with torch.no_grad():
         grad_out = torch.randn_like(module(**inputs, **flags("stock")))
-    activate(force=["evoflash_attention"] if provider == "kit" else ())
+    forced = {"kit": KIT, "kit-core": ("evoflash_attention",)}
+    activate(force=forced.get(provider, ()))
     try:
         step, leaves = _step(module, inputs, flags(provider), grad_out)
 
@@ -86,7 +88,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, nargs="?", help="text file for the report")
     parser.add_argument("--sizes", type=int, nargs="*", default=[768, 1024])
-    parser.add_argument("--providers", nargs="*", default=["kit", "of3-triton"])
+    parser.add_argument("--providers", nargs="*",
+                        default=["kit", "kit-core", "of3-triton"])
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     report = []

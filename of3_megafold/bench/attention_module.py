@@ -12,7 +12,9 @@
 
 Providers: ``stock`` (OF3's torch path), ``of3-triton``
 (``use_triton_triangle_kernels``; triangle only, OF3 never passes it to the diffusion
-transformer), ``kit`` (``evoflash_attention`` forced on). Timing: the median of
+transformer), ``kit`` (the extensions that act on these modules forced on:
+``evoflash_attention`` for the core and, since session 12, ``evofusion_transitions``
+for OF3's 16-bit LayerNorm; before, ``evoflash_attention`` alone). Timing: the median of
 ``triton.testing.do_bench`` after warm-up; peak memory above what was allocated
 before the call.
 """
@@ -73,6 +75,8 @@ def _diffusion(n: int, device) -> tuple[torch.nn.Module, dict, Callable[[str], d
 
 
 CASES = {"triangle": (_triangle, TRIANGLE_N), "diffusion": (_diffusion, DIFFUSION_N)}
+# What the ``kit`` provider forces on (see the module docstring).
+KIT = ("evoflash_attention", "evofusion_transitions")
 
 
 def _providers(case: str) -> tuple[str, ...]:
@@ -108,7 +112,11 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
     device = torch.device("cuda" if on_gpu else "cpu")
     meta = common.environment_metadata(device)
     rows: list[dict[str, Any]] = []
-    kit_ok, kit_reason = registry.get("evoflash_attention").available()
+    kit_ok, kit_reason = True, ""
+    for name in KIT:
+        ok, reason = registry.get(name).available()
+        if not ok:
+            kit_ok, kit_reason = False, reason
     for case, (build, sizes) in CASES.items():
         for n in sizes[:1] if quick else sizes:
             if not on_gpu:
@@ -126,7 +134,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                     rows.append({**row, "skipped": "OF3's Triton kernel needs CUDA"})
                     common.append_rows(out_json, rows[-1:])
                     continue
-                activate(force=["evoflash_attention"] if provider == "kit" else ())
+                activate(force=KIT if provider == "kit" else ())
                 step, leaves = _step(module, inputs, flags(provider), grad_out)
                 try:
                     timing = common.timed_peak(

@@ -9,6 +9,15 @@ atom transformers) runs its SwiGLU and output projection through
 LayerNorm statistics); the backward recomputes the ``[*, n*c]`` hidden activations.
 Parameter names are unchanged, so OF3 checkpoints load as they are.
 
+With a key on, OF3's ``LayerNorm`` on a 16-bit input (the pair and MSA stacks'
+activations: triangle attention and multiplication, outer product mean, attention
+with pair bias) also runs :func:`~of3_megafold.kernels.layer_norm.layer_norm`: the
+same fp32 statistics and result as OF3's, read and written in the input's dtype.
+OF3 makes an fp32 copy of the input, normalises it into a second fp32 tensor and
+casts that back, forward and backward; on the H200 that round trip was about 3.8 of
+the 8 ms that the triangle-attention module spent outside the attention core at
+N=1024 (docs/benchmarks.md, "Attention modules"). fp32 inputs keep OF3's LayerNorm.
+
 Transitions that compute in fp32 (no autocast around them, fp32 input: OF3's
 diffusion conditioning and the atom transformer in a bf16-mixed run) run OF3's own
 math under activation checkpointing instead: the forward keeps only the inputs and
@@ -31,7 +40,8 @@ KEYS = registry.memory_flag_keys(
     FLAG,
     "fused LayerNorm + SwiGLU + output Linear in every SwiGLU transition (and "
     "SwiGLU + output Linear after AdaLN in conditioned transitions); hidden "
-    "activations recomputed, not stored.",
+    "activations recomputed, not stored. Also OF3's LayerNorm on 16-bit "
+    "activations without its fp32 copies.",
 )
 
 
@@ -118,13 +128,30 @@ def _patch_conditioned_transition(original):
     return _transition
 
 
+def _patch_layer_norm(original):
+    def forward(self, x):
+        if _enabled(self):
+            from of3_megafold.kernels.layer_norm import function as kernels
+
+            if kernels.supports(x):
+                return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+            if x.dtype in kernels.DTYPES:  # 16-bit CPU tensors on a GPU machine
+                registry.log_device_fallback(NAME, x.device.type)
+        return original(self, x)
+
+    forward.__doc__ = original.__doc__
+    forward.__wrapped__ = original
+    return forward
+
+
 _TRANSITION = "openfold3.core.model.layers.transition"
 
 EXTENSION = registry.register(
     registry.Extension(
         name=NAME,
         summary="Fused LayerNorm + SwiGLU + output Linear transitions that "
-        "recompute their wide hidden activations",
+        "recompute their wide hidden activations; 16-bit LayerNorms without fp32 "
+        "copies",
         keys=KEYS,
         requested=registry.any_key_on(KEYS),
         enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
@@ -138,6 +165,10 @@ EXTENSION = registry.register(
             registry.Patch(
                 f"{_TRANSITION}:ConditionedTransitionBlock._transition",
                 _patch_conditioned_transition,
+            ),
+            registry.Patch(
+                "openfold3.core.model.primitives.normalization:LayerNorm.forward",
+                _patch_layer_norm,
             ),
         ),
         docs="docs/extensions/evofusion_transitions.md",

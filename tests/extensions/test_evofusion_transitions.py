@@ -192,3 +192,41 @@ def test_cpu_tensors_take_ofs_path_without_the_interpreter(
         assert torch.equal(module(x=x, mask=None), expected)
     said = device_fallback_messages()
     assert len(said) == 1 and "evofusion_transitions" in said[0]
+
+
+def test_layer_norm_on_16_bit_inputs(kit, interpreted_kernels, monkeypatch):
+    """OF3's LayerNorm with the key on: 16-bit inputs take the kernel (within 2x
+    OF3's error against fp64, output and every gradient); fp32 inputs keep OF3's
+    path, bit for bit."""
+    from openfold3.core.model.primitives.normalization import LayerNorm
+
+    from of3_megafold.kernels.layer_norm import function as kernels
+
+    calls = []
+    apply = kernels.LayerNormFunction.apply
+    monkeypatch.setattr(kernels.LayerNormFunction, "apply",
+                        lambda *args: calls.append(args[0].dtype) or apply(*args))
+    module = _randomize(LayerNorm(24), 9)
+    torch.manual_seed(2)
+    x = torch.randn(2, 7, 24) * 2 + 1
+    grad_out = torch.randn(2, 7, 24)
+    reference = _run(copy.deepcopy(module).double(), {"x": x.double()},
+                     grad_out.double())
+    for dtype in (torch.bfloat16, torch.float16):
+        stock = _run(module, {"x": x.to(dtype)}, grad_out)
+        _force()
+        kit_ = _run(module, {"x": x.to(dtype)}, grad_out)
+        activate()
+        for i, (r, s, k) in enumerate(zip(reference, stock, kit_, strict=True)):
+            assert k.dtype == s.dtype, i
+            scale = r.abs().max().item()
+            stock_err = (s.double() - r).abs().max().item() / scale
+            kit_err = (k.double() - r).abs().max().item() / scale
+            assert kit_err <= 2 * stock_err + 2e-3, (dtype, i, kit_err, stock_err)
+    assert calls == [torch.bfloat16, torch.float16]
+    stock = _run(module, {"x": x}, grad_out)
+    _force()
+    kit_ = _run(module, {"x": x}, grad_out)
+    activate()
+    assert all(torch.equal(s, k) for s, k in zip(stock, kit_, strict=True))
+    assert calls == [torch.bfloat16, torch.float16]

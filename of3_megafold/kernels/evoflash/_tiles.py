@@ -19,6 +19,7 @@ Conventions used by every kernel of the op:
 import triton
 import triton.language as tl
 
+from .._rounding import round_to as _cast  # noqa: F401 (the kernels' cast)
 from ..backend import interpreter_enabled
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
@@ -34,21 +35,7 @@ if interpreter_enabled():
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc,
                       input_precision="ieee")
 
-    @triton.jit
-    def _cast(x, dtype: tl.constexpr):
-        # The interpreter truncates fp32 -> bf16; the GPU rounds to nearest even.
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(dtype)
-
 else:
-
-    @triton.jit
-    def _cast(x, dtype: tl.constexpr):
-        """``x.to(dtype)``, rounding to nearest even as the GPU does."""
-        return x.to(dtype)
 
     @triton.jit
     def _dot(a, b, acc, PRECISION: tl.constexpr):

@@ -38,11 +38,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from of3_megafold.kernels._rounding import round_to
 from of3_megafold.kernels.swiglu_transition._fwd import (
     _join_ab,
     _mm,
     _out_weight_tile_cn,
-    _round,
     _sigmoid,
     _split_ab,
     _weight_tile_kn,
@@ -70,11 +70,11 @@ def _normalized_rows(
         xhat = tl.where(io_mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         ln_w = tl.load(LN_W + cols, mask=col_ok, other=0.0).to(tl.float32)
         ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xn = _round(xhat * ln_w[None, :] + ln_b[None, :], COMPUTE_DTYPE, INTERPRETER)
+        xn = round_to(xhat * ln_w[None, :] + ln_b[None, :], COMPUTE_DTYPE)
     else:
         rstd = tl.full((rows.shape[0],), 1.0, tl.float32)
         xhat = x
-        xn = _round(x, COMPUTE_DTYPE, INTERPRETER)
+        xn = round_to(x, COMPUTE_DTYPE)
     return xn, xhat, rstd
 
 
@@ -93,7 +93,7 @@ def _masked_grad_rows(
     if HAS_MASK:
         row_mask = tl.load(MASK + rows, mask=row_ok, other=0.0).to(tl.float32)
         dy = dy * row_mask[:, None]
-    return _round(dy, COMPUTE_DTYPE, INTERPRETER)
+    return round_to(dy, COMPUTE_DTYPE)
 
 
 # The first three compile for sm_90 without register spills at c = 128 (triton
@@ -172,10 +172,10 @@ def _swiglu_transition_bwd_input_kernel(
         sig = _sigmoid(a, FAST_SIGMOID)
         db = dh * a * sig
         da = dh * b * sig * (1.0 + a * (1.0 - sig))
-        dab = _round(_join_ab(da, db, BLOCK_M, BLOCK_H), xn.dtype, INTERPRETER)
+        dab = round_to(_join_ab(da, db, BLOCK_M, BLOCK_H), xn.dtype)
         if STORE_HIDDEN:
             # What the weight-gradient GEMMs of the launcher read (see function.py)
-            h = _round(a * sig * b, xn.dtype, INTERPRETER)
+            h = round_to(a * sig * b, xn.dtype)
             tl.store(
                 H_OUT + rows64[:, None] * H + hid[None, :],
                 h,
@@ -210,7 +210,7 @@ def _swiglu_transition_bwd_input_kernel(
     if STORE_DX:
         tl.store(
             DX + rows64[:, None] * stride_dx + cols[None, :],
-            _round(dx, DX.dtype.element_ty, INTERPRETER),
+            round_to(dx, DX.dtype.element_ty),
             mask=row_ok[:, None] & col_ok[None, :],
         )
 
@@ -287,7 +287,7 @@ def _swiglu_transition_bwd_weight_kernel(
         sig = _sigmoid(a, FAST_SIGMOID)
         silu = a * sig
         if NEED_DW_OUT:
-            h = _round(silu * b, xn.dtype, INTERPRETER)
+            h = round_to(silu * b, xn.dtype)
             dw_out = _mm(tl.trans(dy), h, dw_out, INPUT_PRECISION, INTERPRETER)
         if NEED_DW_AB:
             # d(h)/d(a), formed before the next matmul so that only two fp32
@@ -295,7 +295,7 @@ def _swiglu_transition_bwd_weight_kernel(
             gate = b * sig * (1.0 + a * (1.0 - sig))
             dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
             dab = _join_ab(dh * gate, dh * silu, BLOCK_M, BLOCK_H)
-            dab = _round(dab, xn.dtype, INTERPRETER)
+            dab = round_to(dab, xn.dtype)
             dw_ab = _mm(tl.trans(xn), dab, dw_ab, INPUT_PRECISION, INTERPRETER)
 
     if NEED_DW_AB:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from of3_megafold.kernels._rounding import round_to
 from of3_megafold.kernels.backend import interpreter_enabled
 
 
@@ -53,8 +54,7 @@ def _sigmoid(a, FAST_SIGMOID: tl.constexpr):
 # in two ways (triton 3.9 ``runtime/interpreter.py``): ``create_dot`` multiplies the
 # raw uint16 bit patterns, and fp32 -> bf16 conversion truncates instead of rounding
 # to nearest even. With ``INTERPRETER`` set, ``_mm`` widens bf16 operands to fp32
-# (exact) and ``_round`` rounds to nearest even with integer arithmetic before the
-# (then exact) conversion, so the interpreter computes what the GPU computes.
+# (exact); ``round_to`` (``.._rounding``) rounds as the GPU does.
 @triton.jit
 def _mm(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER: tl.constexpr):
     """``tl.dot(a, b, acc)`` with fp32 accumulation."""
@@ -62,16 +62,6 @@ def _mm(a, b, acc, INPUT_PRECISION: tl.constexpr, INTERPRETER: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (round to nearest even)."""
-    if INTERPRETER and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -212,7 +202,7 @@ def _swiglu_transition_fwd_kernel(
         ln_b = tl.load(LN_B + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = xc * rstd[:, None] * ln_w[None, :] + ln_b[None, :]
     # OF3 rounds the LayerNorm output to the compute dtype before the matmuls.
-    xn = _round(x, W_AB.dtype.element_ty, INTERPRETER)
+    xn = round_to(x, W_AB.dtype.element_ty)
 
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k in range(0, H, BLOCK_H):
@@ -222,7 +212,7 @@ def _swiglu_transition_fwd_kernel(
         w_ab = _weight_tile_kn(W_AB, hid2, cols, hid2 < 2 * H, col_ok, C, EVEN_WEIGHTS)
         ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
         a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
-        h = _round(a * _sigmoid(a, FAST_SIGMOID) * b, xn.dtype, INTERPRETER)
+        h = round_to(a * _sigmoid(a, FAST_SIGMOID) * b, xn.dtype)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
         acc = _mm(h, tl.trans(w_out), acc, INPUT_PRECISION, INTERPRETER)
 
@@ -231,6 +221,6 @@ def _swiglu_transition_fwd_kernel(
         acc = acc * row_mask[:, None]
     tl.store(
         Y + rows64[:, None] * stride_y + cols[None, :],
-        _round(acc, Y.dtype.element_ty, INTERPRETER),
+        round_to(acc, Y.dtype.element_ty),
         mask=io_mask,
     )

@@ -1,0 +1,142 @@
+"""Launchers, autograd function and functional API of the LayerNorm kernels.
+
+``layer_norm(x, weight, bias, eps)`` equals OF3's ``LayerNorm.forward`` for bf16/fp16
+``x`` (statistics and affine in fp32, the result in ``x``'s dtype), but reads and
+writes ``x``'s dtype only. OF3 upcasts the whole input to an fp32 copy, normalises it
+into a second fp32 tensor and casts that back, and its backward makes the same round
+trip: at the pair representation's size that is most of a LayerNorm's cost
+(docs/benchmarks.md, "Attention modules"). The forward keeps ``x`` and the per-row
+fp32 mean and rstd; the backward recomputes the normalised rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from of3_megafold.kernels._launch import TunedKernel
+from of3_megafold.kernels.backend import interpreter_enabled, runs_on
+from of3_megafold.kernels.layer_norm._kernels import (
+    _layer_norm_bwd_kernel,
+    _layer_norm_fwd_kernel,
+)
+
+# Widest row the kernels hold in registers (one row per thread group; OF3's
+# LayerNorms are 16-768 channels wide).
+MAX_CHANNELS = 4096
+DTYPES = (torch.bfloat16, torch.float16)
+
+_fwd = TunedKernel(_layer_norm_fwd_kernel)
+_bwd = TunedKernel(_layer_norm_bwd_kernel)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _blocks(c: int) -> tuple[int, int, int]:
+    """``(BLOCK_C, BLOCK_R, num_warps)``: about 4096 elements per program step."""
+    block_c = max(16, _next_power_of_2(c))
+    block_r = max(1, min(64, 4096 // block_c))
+    return block_c, block_r, 4 if block_c * block_r <= 4096 else 8
+
+
+@functools.cache
+def _programs(device_index: int | None) -> int:
+    """Backward programs: a few per SM (each keeps one fp32 partial of dw and db);
+    4 under the interpreter, so that small tests split the rows."""
+    if interpreter_enabled() or not torch.cuda.is_available():
+        return 4
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether :func:`layer_norm` takes ``x``: 16-bit, at most ``MAX_CHANNELS`` wide,
+    on a device the kernels run on."""
+    return x.dtype in DTYPES and 0 < x.shape[-1] <= MAX_CHANNELS and runs_on(x)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd function behind :func:`layer_norm` (same arguments)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        c = x.shape[-1]
+        x2 = x.reshape(-1, c)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        y = torch.empty_like(x2)
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        block_c, block_r, warps = _blocks(c)
+        _fwd[(-(-rows // block_r),)](
+            x2, weight if weight is not None else x2, bias if bias is not None else x2,
+            y, mean, rstd, rows, c, eps,
+            HAS_W=weight is not None, HAS_B=bias is not None,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        rows, c = x2.shape
+        dy2 = dy.reshape(-1, c)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        dx = torch.empty_like(x2)
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        block_c, block_r, warps = _blocks(c)
+        programs = max(1, min(_programs(x2.device.index), -(-rows // block_r)))
+        per_program = -(-rows // programs)
+        programs = -(-rows // per_program)
+        part = (torch.empty((2, programs, c), dtype=torch.float32, device=x2.device)
+                if need_w or need_b else None)
+        _bwd[(programs,)](
+            x2, weight if weight is not None else x2, dy2, mean, rstd, dx,
+            part[0] if part is not None else x2, part[1] if part is not None else x2,
+            rows, c, per_program,
+            HAS_W=weight is not None, NEED_DWB=part is not None,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )
+        dw = db = None
+        if part is not None:
+            sums = part.sum(dim=1)  # over programs, in a fixed order
+            dw = sums[0].to(weight.dtype) if need_w else None
+            db = sums[1].to(bias.dtype) if need_b else None
+        return dx.view(ctx.shape), dw, db, None
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """LayerNorm over the last dim of a 16-bit ``x`` with fp32 statistics.
+
+    Args:
+        x: ``[*, C]`` bf16 or fp16, ``C <= MAX_CHANNELS``.
+        weight, bias: optional ``[C]`` affine parameters (any float dtype; used in
+            fp32; their gradients come back in their dtype).
+        eps: added to the variance.
+
+    Returns:
+        ``[*, C]`` in ``x``'s dtype: OF3's ``LayerNorm`` for 16-bit inputs (see
+        :func:`layer_norm_reference`).
+    """
+    if not supports(x):
+        raise ValueError(
+            f"layer_norm takes bf16/fp16 tensors of at most {MAX_CHANNELS} channels "
+            f"on CUDA (or the CPU under TRITON_INTERPRET=1); got {x.dtype}, "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != x.shape[-1:]:
+            raise ValueError(f"{name} must be [{x.shape[-1]}], got {tuple(p.shape)}")
+    return LayerNormFunction.apply(x, weight, bias, eps)
