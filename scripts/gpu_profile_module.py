@@ -6,10 +6,11 @@
 ``bench attention``'s triangle case (``TriangleAttention(c_in=128, c_hidden=32,
 no_heads=4)``, bf16, input ``[1, N, N, 128]``) for each provider (``kit``: the
 bench's kit; ``kit-core``: EvoFlash alone, OF3's LayerNorm; ``of3-triton``),
-forward + backward after warm-up, under ``torch.profiler``: the CUDA time per call split by operator
-(``aten::`` ops and Triton kernels, self time), and the same split by CUDA kernel.
-The module's time outside the attention core (LayerNorm, projections, gating, copies:
-7.8 ms of 22.1 at N=1024 in session 11's bench) is what this breaks down.
+forward + backward after warm-up, under ``torch.profiler``: the CUDA time per call
+split by operator (``aten::`` ops and Triton kernels, self time), and the same split
+by CUDA kernel. The module's time outside the attention core (LayerNorm, projections,
+gating, copies: 7.8 ms of 22.1 at N=1024 in session 11's bench) is what this breaks
+down.
 
 Diagnostic only: no JSON rows; the benchmark figures come from ``of3-megafold bench``.
 """
