@@ -98,6 +98,8 @@ def test_rejects_what_it_does_not_take(device):
         layer_norm(torch.randn(4, 8, device=device))
     with pytest.raises(ValueError, match="bf16/fp16"):
         layer_norm(torch.randn(2, function.MAX_CHANNELS + 1, device=device).bfloat16())
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        layer_norm(torch.empty(0, 8, device=device).bfloat16())
     with pytest.raises(ValueError, match="weight must be"):
         layer_norm(torch.randn(4, 8, device=device).bfloat16(),
                    torch.ones(7, device=device))

@@ -52,9 +52,10 @@ def _programs(device_index: int | None) -> int:
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether :func:`layer_norm` takes ``x``: 16-bit, at most ``MAX_CHANNELS`` wide,
-    on a device the kernels run on."""
-    return x.dtype in DTYPES and 0 < x.shape[-1] <= MAX_CHANNELS and runs_on(x)
+    """Whether :func:`layer_norm` takes ``x``: 16-bit, not empty, at most
+    ``MAX_CHANNELS`` wide, on a device the kernels run on."""
+    return (x.dtype in DTYPES and x.numel() > 0 and x.shape[-1] <= MAX_CHANNELS
+            and runs_on(x))
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -132,7 +133,8 @@ def layer_norm(
     """
     if not supports(x):
         raise ValueError(
-            f"layer_norm takes bf16/fp16 tensors of at most {MAX_CHANNELS} channels "
+            f"layer_norm takes non-empty bf16/fp16 tensors of at most {MAX_CHANNELS} "
+            "channels "
             f"on CUDA (or the CPU under TRITON_INTERPRET=1); got {x.dtype}, "
             f"{tuple(x.shape)} on {x.device}"
         )
