@@ -134,8 +134,7 @@ def layer_norm(
     if not supports(x):
         raise ValueError(
             f"layer_norm takes non-empty bf16/fp16 tensors of at most {MAX_CHANNELS} "
-            "channels "
-            f"on CUDA (or the CPU under TRITON_INTERPRET=1); got {x.dtype}, "
+            f"channels on CUDA (or the CPU under TRITON_INTERPRET=1); got {x.dtype}, "
             f"{tuple(x.shape)} on {x.device}"
         )
     for name, p in (("weight", weight), ("bias", bias)):
