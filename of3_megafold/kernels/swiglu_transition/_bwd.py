@@ -54,7 +54,7 @@ from of3_megafold.kernels.swiglu_transition._fwd import (
 @triton.jit
 def _normalized_rows(
     X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
-    NORMALIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
+    NORMALIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """``(xn, xhat, rstd)`` of a row block: the matmul input in the compute dtype,
     the fp32 normalised rows (zero outside) and their rstd (1 without LayerNorm)."""
@@ -81,7 +81,7 @@ def _normalized_rows(
 @triton.jit
 def _masked_grad_rows(
     DY, MASK, rows, cols, row_ok, col_ok, stride_dy,
-    HAS_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The output gradient of a row block times the row mask, in the compute dtype
     (zero on padded rows, so padded rows add nothing to any sum)."""
@@ -148,10 +148,10 @@ def _swiglu_transition_bwd_input_kernel(
     dtype = W_AB.dtype.element_ty
     xn, _, _ = _normalized_rows(
         X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
-        NORMALIZE, dtype, INTERPRETER,
+        NORMALIZE, dtype,
     )  # fmt: skip
     dy = _masked_grad_rows(
-        DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype, INTERPRETER
+        DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype
     )
     rows64 = rows.to(tl.int64)
     if STORE_HIDDEN:
@@ -194,7 +194,7 @@ def _swiglu_transition_bwd_input_kernel(
         # thread through the whole loop (at BLOCK_M = BLOCK_C = 128, 8 warps).
         _, xhat, rstd = _normalized_rows(
             X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
-            NORMALIZE, dtype, INTERPRETER,
+            NORMALIZE, dtype,
         )  # fmt: skip
         if LN_GRAD:
             tl.store(DLN_W_PART + pid * C + cols, tl.sum(dxn * xhat, axis=0), col_ok)
@@ -276,11 +276,10 @@ def _swiglu_transition_bwd_weight_kernel(
         row_ok = rows < M
         xn, _, _ = _normalized_rows(
             X, LN_W, LN_B, MEAN, RSTD, rows, cols, row_ok, col_ok, stride_x,
-            NORMALIZE, dtype, INTERPRETER,
+            NORMALIZE, dtype,
         )  # fmt: skip
         dy = _masked_grad_rows(
             DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype,
-            INTERPRETER,
         )  # fmt: skip
         ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
         a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
