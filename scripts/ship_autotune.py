@@ -29,7 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from of3_megafold.kernels.evoflash.configs import lists_fingerprint  # noqa: E402
-from of3_megafold.kernels.evoflash.tuned import KERNELS, tuned_path  # noqa: E402
+from of3_megafold.kernels.evoflash.tuned import (  # noqa: E402
+    KERNELS,
+    current_entries,
+    tuned_path,
+)
 
 
 def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
@@ -73,22 +77,17 @@ def collect(directory: Path) -> dict[str, dict[tuple, tuple[float, dict]]]:
 def merged(shipped: dict, best: dict) -> dict[str, dict[tuple, tuple[float, dict]]]:
     """``best`` over the ``shipped`` table's entries: the new keys win. The shipped
     entries of a kernel whose candidate list changed since are dropped."""
-    built_for = shipped.get("lists")
-    if not isinstance(built_for, dict):
-        built_for = {}
+    current, stale = current_entries(shipped)
+    for kernel in stale:
+        print(f"{kernel}: the shipped entries were tuned over another config list; "
+              "dropped")
     result = {}
     for kernel in KERNELS:
-        entries = shipped["kernels"].get(kernel, [])
-        if built_for.get(kernel) != lists_fingerprint(kernel):
-            if entries:
-                print(f"{kernel}: the shipped entries were tuned over another config "
-                      "list; dropped")
-            entries = []
         keys = {
             tuple(entry["key"]): (entry["ms"], {
                 name: entry[name] for name in ("kwargs", "num_warps", "num_stages")
             })
-            for entry in entries
+            for entry in current.get(kernel, [])
         }
         keys.update(best.get(kernel, {}))
         result[kernel] = keys

@@ -42,6 +42,22 @@ def tuned_path(gpu: str) -> Path:
     return Path(__file__).with_name(re.sub(r"[^A-Za-z0-9]+", "_", gpu) + ".json")
 
 
+def current_entries(table: dict[str, Any]) -> tuple[dict[str, list], list[str]]:
+    """Split a table's entries by whether each kernel's candidate list is the one it
+    was built for: ``(entries of the current kernels, names of the stale ones)``. A
+    table from before per-kernel fingerprints (one string) is stale as a whole."""
+    built_for = table.get("lists")
+    if not isinstance(built_for, dict):
+        built_for = {}
+    current, stale = {}, []
+    for kernel, entries in table.get("kernels", {}).items():
+        if kernel in KERNELS and built_for.get(kernel) == lists_fingerprint(kernel):
+            current[kernel] = entries
+        else:
+            stale.append(kernel)
+    return current, stale
+
+
 @functools.cache
 def _table(gpu: str) -> dict[str, Any]:
     """The table of ``gpu`` with the entries of kernels whose candidate list changed
@@ -50,19 +66,13 @@ def _table(gpu: str) -> dict[str, Any]:
     if not path.exists():
         return {"kernels": {}}
     table = json.loads(path.read_text())
-    built_for = table.get("lists")
-    if not isinstance(built_for, dict):  # a table from before per-kernel digests
-        built_for = {}
-    kernels = {}
-    for kernel, entries in table.get("kernels", {}).items():
-        if kernel in KERNELS and built_for.get(kernel) == lists_fingerprint(kernel):
-            kernels[kernel] = entries
-        else:
-            logger.warning(
-                "%s was built for another candidate list of %s; ignoring its choices "
-                "for that kernel (its keys are tuned at first use). Rebuild it with "
-                "scripts/ship_autotune.py.", path.name, kernel,
-            )
+    kernels, stale = current_entries(table)
+    for kernel in stale:
+        logger.warning(
+            "%s was built for another candidate list of %s; ignoring its choices "
+            "for that kernel (its keys are tuned at first use). Rebuild it with "
+            "scripts/ship_autotune.py.", path.name, kernel,
+        )
     return {**table, "kernels": kernels}
 
 
