@@ -1,4 +1,4 @@
-"""What the kernels compute, in torch: OF3's ``LayerNorm`` for 16-bit inputs."""
+"""What the kernels compute, in torch: OF3's ``LayerNorm``."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ def layer_norm_reference(
     bias: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """``LayerNorm`` over the last dim in fp32 (input, statistics and affine
-    parameters upcast), the result in ``x``'s dtype: OF3's
-    ``LayerNorm.forward`` for bf16/fp16 inputs."""
-    out = F.layer_norm(
-        x.float(),
-        x.shape[-1:],
-        weight.float() if weight is not None else None,
-        bias.float() if bias is not None else None,
-        eps,
-    )
-    return out.to(x.dtype)
+    """OF3's ``LayerNorm.forward`` over the last dim: a bf16/fp16 ``x`` is
+    normalised in fp32 (input, statistics and affine parameters upcast) and the
+    result cast back to its dtype; other dtypes (fp32, the fp64 oracles) as they
+    are."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        out = F.layer_norm(
+            x.float(),
+            x.shape[-1:],
+            weight.float() if weight is not None else None,
+            bias.float() if bias is not None else None,
+            eps,
+        )
+        return out.to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)

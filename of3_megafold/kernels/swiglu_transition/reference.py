@@ -17,25 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """OF3's ``LayerNorm.forward``: 16-bit inputs are normalised in fp32 and the
-    result is cast back to the input dtype."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        out = F.layer_norm(
-            x.float(),
-            x.shape[-1:],
-            weight.float() if weight is not None else None,
-            bias.float() if bias is not None else None,
-            eps,
-        )
-        return out.to(x.dtype)
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+from of3_megafold.kernels.layer_norm.reference import layer_norm_reference
 
 
 def swiglu_transition_reference(
@@ -76,7 +58,7 @@ def swiglu_transition_reference(
     if upcast and x.dtype != torch.float64:
         x = x.float()
     dtype = x.dtype
-    xn = _layer_norm(x, ln_weight, ln_bias, eps) if normalize else x
+    xn = layer_norm_reference(x, ln_weight, ln_bias, eps) if normalize else x
     h = F.silu(F.linear(xn, w_a.to(dtype))) * F.linear(xn, w_b.to(dtype))
     y = F.linear(h, w_out.to(dtype))
     if mask is not None:
