@@ -9,6 +9,7 @@ be set before the kit's kernel modules are imported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from typing import TYPE_CHECKING
@@ -46,6 +47,15 @@ def cuda_tf32(enabled: bool):
         yield
     finally:
         matmul.allow_tf32 = previous
+
+
+@functools.cache
+def multiprocessors(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (launchers size persistent and
+    split grids by it; under the interpreter they pick a small stand-in instead)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .._launch import TunedKernel
-from ..backend import runs_on
+from ..backend import multiprocessors, runs_on
 from . import configs, tuned
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
@@ -214,16 +214,11 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
     return o, lse, r, flags
 
 
-@functools.cache
-def _multiprocessors(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
     """S chunks for the dbias kernel: enough programs for two waves of 128 x 128
     tiles, at least 16 S slices per chunk (summed afterwards, in a fixed order)."""
     # the interpreter: 2 "SMs", to exercise the split path at small sizes
-    sms = _multiprocessors(device.index) if device.type == "cuda" else 2
+    sms = multiprocessors(device.index) if device.type == "cuda" else 2
     tiles = inp.B * inp.H * configs.cdiv(inp.N, 128) ** 2
     wanted = configs.cdiv(2 * sms, tiles)
     return max(1, min(wanted, inp.S // 16 if device.type == "cuda" else inp.S))

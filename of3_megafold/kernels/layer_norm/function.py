@@ -11,12 +11,10 @@ fp32 mean and rstd; the backward recomputes the normalised rows.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from of3_megafold.kernels._launch import TunedKernel
-from of3_megafold.kernels.backend import interpreter_enabled, runs_on
+from of3_megafold.kernels.backend import interpreter_enabled, multiprocessors, runs_on
 from of3_megafold.kernels.layer_norm._kernels import (
     _layer_norm_bwd_kernel,
     _layer_norm_fwd_kernel,
@@ -42,13 +40,12 @@ def _blocks(c: int) -> tuple[int, int, int]:
     return block_c, block_r, 4 if block_c * block_r <= 4096 else 8
 
 
-@functools.cache
 def _programs(device_index: int | None) -> int:
     """Backward programs: a few per SM (each keeps one fp32 partial of dw and db);
     4 under the interpreter, so that small tests split the rows."""
     if interpreter_enabled() or not torch.cuda.is_available():
         return 4
-    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 4 * multiprocessors(device_index)
 
 
 def supports(x: torch.Tensor) -> bool:

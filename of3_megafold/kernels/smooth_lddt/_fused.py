@@ -19,12 +19,11 @@ produced in the same pass as the loss (as Liger's fused linear cross-entropy doe
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ..backend import multiprocessors
 from ._pair_score import lddt_pair_score
 from ._spatial import SpatialPlan
 
@@ -202,17 +201,12 @@ def scatter_grad(
     return out
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_split(device: torch.device, n_programs: int, max_tiles: int) -> int:
     """Column splits per row block so the grid fills the GPU (~8 programs per SM)."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _sm_count(index)
+    sms = multiprocessors(index)
     want = -(-8 * sms // max(n_programs, 1))
     return max(1, min(want, max_tiles, 16))
 

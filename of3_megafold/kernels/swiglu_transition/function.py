@@ -16,14 +16,18 @@ around the fused SwiGLU + ``linear_out`` (both are ``c``-wide and cheap; the
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import triton
 
 from of3_megafold.kernels._launch import TunedKernel
-from of3_megafold.kernels.backend import cuda_tf32, interpreter_enabled, runs_on
+from of3_megafold.kernels.backend import (
+    cuda_tf32,
+    interpreter_enabled,
+    multiprocessors,
+    runs_on,
+)
 from of3_megafold.kernels.swiglu_transition._bwd import (
     BWD_INPUT_CONFIGS,
     BWD_INPUT_PRUNE,
@@ -63,11 +67,10 @@ def _block_c(c: int) -> int:
     return max(16, triton.next_power_of_2(c))
 
 
-@functools.cache
 def _num_sms(device_index: int | None) -> int:
     if interpreter_enabled() or not torch.cuda.is_available():
         return 4  # > 1, so CPU tests exercise the split reduction
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return multiprocessors(device_index)
 
 
 def _kernel_flags(compute_dtype: torch.dtype) -> dict:
