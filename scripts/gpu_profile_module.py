@@ -76,13 +76,14 @@ def profile_case(n: int, provider: str) -> str:
             torch.cuda.synchronize()
     finally:
         activate()
-    ops = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    kernels = [e for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    cuda = torch.autograd.DeviceType.CUDA
+    ops = [e for e in events if e.device_type != cuda]
+    kernels = [e for e in events if e.device_type == cuda]
     return (f"=== triangle N={n} {provider}: {wall:.3f} ms per forward + backward "
-            f"(unprofiled wall time)\n-- by operator\n"
-            f"{_table([e for e in ops if e.device_type != torch.autograd.DeviceType.CUDA], REPEATS, 'operator')}"  # noqa: E501
-            f"\n-- by CUDA kernel\n{_table(kernels, REPEATS, 'kernel')}\n")
+            f"(unprofiled wall time)\n"
+            f"-- by operator\n{_table(ops, REPEATS, 'operator')}\n"
+            f"-- by CUDA kernel\n{_table(kernels, REPEATS, 'kernel')}\n")
 
 
 def main() -> int:
