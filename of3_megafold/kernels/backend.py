@@ -49,6 +49,18 @@ def cuda_tf32(enabled: bool):
         matmul.allow_tf32 = previous
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (plain Python: recent Triton wraps its own
+    ``triton.cdiv`` for use inside kernels, which costs microseconds per call on
+    the host, and launchers call it several times per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1), in plain Python (see :func:`cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @functools.cache
 def multiprocessors(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device (launchers size persistent and

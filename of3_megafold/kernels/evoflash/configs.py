@@ -24,7 +24,7 @@ import hashlib
 
 import triton
 
-from ..backend import interpreter_enabled
+from ..backend import interpreter_enabled, next_power_of_2
 
 INTERPRET = interpreter_enabled()
 
@@ -101,18 +101,6 @@ INTERPRETER_CONFIGS = {
     "dkdv": {"BLOCK_M": 16, "BLOCK_N": 16, "S_GROUP": 2},
     "dbias": {"BLOCK_M": 16, "BLOCK_N": 16},
 }
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for launch grids (plain Python: recent Triton wraps its own
-    ``triton.cdiv`` for use inside kernels, which costs microseconds per call on
-    the host, and launchers call it several times per launch)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (>= 1), in plain Python (see :func:`cdiv`)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def n_bucket(n: int) -> int:

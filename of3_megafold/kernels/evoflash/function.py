@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .._launch import TunedKernel
-from ..backend import multiprocessors, runs_on
+from ..backend import cdiv, multiprocessors, next_power_of_2, runs_on
 from . import configs, tuned
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
@@ -173,7 +173,7 @@ class _Inputs:
             N_BUCKET=configs.n_bucket(self.N), S_BUCKET=configs.s_bucket(self.S),
             HAS_MASK=self.mask is not None,
             PRECISION=_precision(high_precision),
-            BLOCK_D=max(16, configs.next_power_of_2(self.D)),
+            BLOCK_D=max(16, next_power_of_2(self.D)),
         )
 
     def bias_args(self) -> dict:
@@ -194,7 +194,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
     flags = torch.empty((B, S), dtype=torch.int32, device=q.device)
 
     def grid(meta):
-        return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(S, meta["S_GROUP"])
+        return (cdiv(N, meta["BLOCK_M"]) * cdiv(S, meta["S_GROUP"])
                 * H * B,)
 
     (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
@@ -219,8 +219,8 @@ def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
     tiles, at least 16 S slices per chunk (summed afterwards, in a fixed order)."""
     # the interpreter: 2 "SMs", to exercise the split path at small sizes
     sms = multiprocessors(device.index) if device.type == "cuda" else 2
-    tiles = inp.B * inp.H * configs.cdiv(inp.N, 128) ** 2
-    wanted = configs.cdiv(2 * sms, tiles)
+    tiles = inp.B * inp.H * cdiv(inp.N, 128) ** 2
+    wanted = cdiv(2 * sms, tiles)
     return max(1, min(wanted, inp.S // 16 if device.type == "cuda" else inp.S))
 
 
@@ -253,10 +253,10 @@ def evoflash_bwd(
     delta = torch.empty_like(lse)
     sob, sos, son, soh = _strides(o)
     sdb, sds, sdn, sdh = _strides(do)
-    block_d = max(16, configs.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
     pre_block = 64 if block_d <= 64 else 32
     # flags: S slices holding a query whose keys are all masked (r = 1/l there)
-    _preprocess[(configs.cdiv(N, pre_block), B * S * H)](
+    _preprocess[(cdiv(N, pre_block), B * S * H)](
         o, do, r, delta, flags,
         sob, sos, son, soh, sdb, sds, sdn, sdh,
         S, N, H, D, BLOCK_M=pre_block, BLOCK_D=block_d,
@@ -296,7 +296,7 @@ def evoflash_bwd(
                              stride_bh=bte.stride(2), stride_bi=bte.stride(3))
 
         def grid_dkdv(meta):
-            return (configs.cdiv(N, meta["BLOCK_N"]) * configs.cdiv(S, meta["S_GROUP"])
+            return (cdiv(N, meta["BLOCK_N"]) * cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
         _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=flags, **args,
@@ -312,8 +312,8 @@ def evoflash_bwd(
     dbias_dtype = inp.bias.dtype if direct else torch.float32
     if reduce_over_s:
         splits = _dbias_splits(inp, q.device)
-        s_chunk = configs.cdiv(S, splits)
-        splits = configs.cdiv(S, s_chunk)
+        s_chunk = cdiv(S, splits)
+        splits = cdiv(S, s_chunk)
         dbias = torch.empty((B, 1, H, N, N), dtype=dbias_dtype, device=q.device)
         part = (dbias.view(1, B, H, N, N) if splits == 1 else
                 torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device))
@@ -322,7 +322,7 @@ def evoflash_bwd(
         sb, _, sh, si = inp.bias_strides
 
         def grid_dbias(meta):
-            return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(N, meta["BLOCK_N"])
+            return (cdiv(N, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
                     * H * B * splits,)
 
         _dbias[grid_dbias](
@@ -335,7 +335,7 @@ def evoflash_bwd(
         )
         if splits > 1:
             block = 1024
-            _dbias_sum[(configs.cdiv(dbias.numel(), block),)](
+            _dbias_sum[(cdiv(dbias.numel(), block),)](
                 part, dbias, splits, dbias.numel(), BLOCK=block)
         if fuse_dq:
             dq = dq_acc.to(q.dtype)
@@ -352,7 +352,7 @@ def evoflash_bwd(
             db_strides = (0, 0, 0, 0)
 
         def grid_dq(meta):
-            return (configs.cdiv(N, meta["BLOCK_M"]) * configs.cdiv(S, meta["S_GROUP"])
+            return (cdiv(N, meta["BLOCK_M"]) * cdiv(S, meta["S_GROUP"])
                     * H * B,)
 
         _dq[grid_dq](

@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 
 from of3_megafold.kernels._launch import TunedKernel
-from of3_megafold.kernels.backend import interpreter_enabled, multiprocessors, runs_on
+from of3_megafold.kernels.backend import (
+    cdiv,
+    interpreter_enabled,
+    multiprocessors,
+    next_power_of_2,
+    runs_on,
+)
 from of3_megafold.kernels.layer_norm._kernels import (
     _layer_norm_bwd_kernel,
     _layer_norm_fwd_kernel,
@@ -29,13 +35,9 @@ _fwd = TunedKernel(_layer_norm_fwd_kernel)
 _bwd = TunedKernel(_layer_norm_bwd_kernel)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _blocks(c: int) -> tuple[int, int, int]:
     """``(BLOCK_C, BLOCK_R, num_warps)``: about 4096 elements per program step."""
-    block_c = max(16, _next_power_of_2(c))
+    block_c = max(16, next_power_of_2(c))
     block_r = max(1, min(64, 4096 // block_c))
     return block_c, block_r, 4 if block_c * block_r <= 4096 else 8
 
@@ -69,7 +71,7 @@ class LayerNormFunction(torch.autograd.Function):
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
         block_c, block_r, warps = _blocks(c)
-        _fwd[(-(-rows // block_r),)](
+        _fwd[(cdiv(rows, block_r),)](
             x2, weight if weight is not None else x2, bias if bias is not None else x2,
             y, mean, rstd, rows, c, eps,
             HAS_W=weight is not None, HAS_B=bias is not None,
@@ -90,9 +92,9 @@ class LayerNormFunction(torch.autograd.Function):
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         block_c, block_r, warps = _blocks(c)
-        programs = max(1, min(_programs(x2.device.index), -(-rows // block_r)))
-        per_program = -(-rows // programs)
-        programs = -(-rows // per_program)
+        programs = max(1, min(_programs(x2.device.index), cdiv(rows, block_r)))
+        per_program = cdiv(rows, programs)
+        programs = cdiv(rows, per_program)
         part = (torch.empty((2, programs, c), dtype=torch.float32, device=x2.device)
                 if need_w or need_b else None)
         _bwd[(programs,)](
