@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -85,6 +86,39 @@ def split_biases(
     return combine(masks), combine(pairs)
 
 
+def _projections(attention: Any) -> list[Any]:
+    """The input projections in packing order: q, k, v and, with gating, g."""
+    linears = [attention.linear_q, attention.linear_k, attention.linear_v]
+    return linears + ([attention.linear_g] if attention.linear_g is not None else [])
+
+
+def packed_projection(attention: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """q, k, v (and the gate's pre-activation) of self-attention as one GEMM.
+
+    The projections' weights (and biases, zeros where one has none) are
+    concatenated and run through OF3's own ``Linear.forward``, so the dtype rules
+    (bf16 inputs without autocast, autocast otherwise) are OF3's. The weight
+    gradients reach each ``Linear`` through the concatenation.
+
+    Returns:
+        ``[*, N, P * H * c]`` (``P`` = 3, or 4 with gating), or ``None`` where OF3
+        computes a projection at a fixed precision of its own (``Linear.precision``).
+    """
+    linears = _projections(attention)
+    if any(getattr(linear, "precision", None) is not None for linear in linears):
+        return None
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat([
+            linear.bias if linear.bias is not None
+            else linear.weight.new_zeros(linear.out_features)
+            for linear in linears
+        ])
+    packed = SimpleNamespace(weight=weight, bias=bias, precision=None)
+    return type(attention.linear_q).forward(packed, x)
+
+
 def evoflash_forward(
     attention: Any,
     q_x: torch.Tensor,
@@ -94,9 +128,14 @@ def evoflash_forward(
 ) -> torch.Tensor:
     """OF3's ``Attention.forward`` with the core on the EvoFlash-3D kernel.
 
+    Self-attention (``q_x is kv_x``: every OF3 call site the kernel serves) runs its
+    q/k/v/gate projections as one GEMM (:func:`packed_projection`) and the gating in
+    the kernel (:func:`evoflash_attention_packed`): one input-gradient GEMM instead
+    of four plus their sum, and no stored sigmoid or ungated output. Otherwise the
+    projections and gating are OF3's own.
+
     Args:
-        attention: OF3's ``Attention`` module (its projections and gating are used
-            as they are).
+        attention: OF3's ``Attention`` module (its weights are used as they are).
         q_x, kv_x: ``[*, N, C]`` query and key/value inputs (same ``N``).
         biases: OF3's bias list, each broadcastable to ``[*, H, N, N]``.
         high_precision: OF3's ``use_high_precision`` (fp32 core).
@@ -104,12 +143,32 @@ def evoflash_forward(
     Returns:
         ``[*, N, C_q]``, as OF3's ``Attention.forward``.
     """
-    from of3_megafold.kernels.evoflash import evoflash_attention
+    from of3_megafold.kernels.evoflash import (
+        evoflash_attention,
+        evoflash_attention_packed,
+    )
 
     heads, c = attention.no_heads, attention.c_hidden
     lead = q_x.shape[:-2] if q_x.dim() > 2 else torch.Size([1])
     n = q_x.shape[-2]
     b = math.prod(lead[:-1])
+    mask_bias, pair_bias = split_biases(biases, lead)
+    packed = packed_projection(attention, q_x) if q_x is kv_x else None
+    if packed is not None:
+        in_dtype = packed.dtype
+        qkv = packed.view(b, lead[-1], n, -1, heads, c)
+        if high_precision:
+            qkv = qkv.float()
+        o = evoflash_attention_packed(
+            qkv,
+            mask_bias=mask_bias,
+            pair_bias=pair_bias,
+            scale=1.0 / math.sqrt(c),
+            high_precision=high_precision,
+        ).to(in_dtype)
+        if attention.linear_g is None:  # nothing to gate: OF3's output projection
+            return attention._wrap_up(o.view(*q_x.shape[:-1], heads, c), q_x)
+        return attention.linear_o(o.view(*q_x.shape[:-1], heads * c))
     q, k, v = (
         linear(x).view(b, lead[-1], n, heads, c)
         for linear, x in (
@@ -121,7 +180,6 @@ def evoflash_forward(
     in_dtype = q.dtype
     if high_precision:
         q, k, v = q.float(), k.float(), v.float()
-    mask_bias, pair_bias = split_biases(biases, lead)
     o = evoflash_attention(
         q,
         k,

@@ -64,6 +64,24 @@ def _counted_kernel_calls():
         extension.evoflash_forward = forward
 
 
+@pytest.fixture
+def kernel_entries(monkeypatch):
+    """Calls of the two kernel entry points: ``{"packed": n, "separate": n}``."""
+    from of3_megafold.kernels import evoflash
+
+    counts = {"packed": 0, "separate": 0}
+    for name, attr in (("packed", "evoflash_attention_packed"),
+                       ("separate", "evoflash_attention")):
+        entry = getattr(evoflash, attr)
+
+        def counted(*args, _entry=entry, _name=name, **kwargs):
+            counts[_name] += 1
+            return _entry(*args, **kwargs)
+
+        monkeypatch.setattr(evoflash, attr, counted)
+    return counts
+
+
 def _compare(module, inputs, forced_or_tagged):
     """Errors of kit-fp32 and stock-fp32 against stock-fp64."""
     torch.manual_seed(1)
@@ -111,7 +129,7 @@ def _force():
 
 
 @pytest.mark.parametrize(("starting", "n"), [(True, 17), (False, 6)])
-def test_triangle_attention(kit, interpreted_kernels, starting, n):
+def test_triangle_attention(kit, interpreted_kernels, kernel_entries, starting, n):
     from openfold3.core.model.layers.triangular_attention import TriangleAttention
 
     module = _randomize(
@@ -121,6 +139,51 @@ def test_triangle_attention(kit, interpreted_kernels, starting, n):
     mask = (torch.rand(1, n, n) > 0.2).float()
     mask[0, 1] = 0.0  # a fully masked row: OF3 gives it uniform attention
     _compare(module, {"x": x, "mask": mask}, _force)
+    # self-attention: one packed projection, gated in the kernel
+    assert kernel_entries == {"packed": 1, "separate": 0}
+
+
+@pytest.mark.parametrize("gating", [True, False])
+def test_attention_with_separate_key_input(kit, interpreted_kernels, kernel_entries,
+                                           gating):
+    """``q_x`` and ``kv_x`` distinct (same length): OF3's separate projections and
+    gating around the kernel; and ungated self-attention on the packed path."""
+    from openfold3.core.model.primitives.attention import Attention
+
+    attention = _randomize(Attention(8, 8, 8, c_hidden=4, no_heads=2,
+                                     gating=gating), 6)
+    n = 9
+
+    class Call(torch.nn.Module):
+        def __init__(self, same):
+            super().__init__()
+            self.inner, self.same = attention, same
+
+        def forward(self, q_x, kv_x, bias):
+            return self.inner(q_x, q_x if self.same else kv_x, biases=[bias])
+
+    inputs = {"q_x": torch.randn(1, 3, n, 8), "kv_x": torch.randn(1, 3, n, 8),
+              "bias": torch.randn(1, 1, 2, n, n)}
+    _compare(Call(same=False), inputs, _force)
+    assert kernel_entries == {"packed": 0, "separate": 1}
+    _compare(Call(same=True), inputs, _force)
+    assert kernel_entries == {"packed": 1, "separate": 1}
+
+
+def test_fixed_precision_projection_is_not_packed(kit):
+    """OF3's ``Linear.precision`` (a projection computed at its own precision)
+    keeps the projections separate; otherwise the packed GEMM equals them."""
+    from openfold3.core.model.primitives.attention import Attention
+
+    from of3_megafold.extensions.evoflash_attention import packed_projection
+
+    attention = _randomize(Attention(8, 8, 8, c_hidden=4, no_heads=2), 7)
+    x = torch.randn(5, 8)
+    separate = [attention.linear_q(x), attention.linear_k(x), attention.linear_v(x),
+                attention.linear_g(x)]
+    torch.testing.assert_close(packed_projection(attention, x), torch.cat(separate, -1))
+    attention.linear_k.precision = torch.float32
+    assert packed_projection(attention, x) is None
 
 
 def test_triangle_attention_reads_model_settings(kit, interpreted_kernels):
@@ -145,7 +208,7 @@ def test_triangle_attention_reads_model_settings(kit, interpreted_kernels):
 
 
 @pytest.mark.parametrize("diffusion", [False, True])
-def test_attention_pair_bias(kit, interpreted_kernels, diffusion):
+def test_attention_pair_bias(kit, interpreted_kernels, kernel_entries, diffusion):
     from openfold3.core.model.layers import attention_pair_bias as apb
 
     cls = apb.DiffusionAttentionPairBias if diffusion else apb.AttentionPairBias
@@ -172,6 +235,7 @@ def test_attention_pair_bias(kit, interpreted_kernels, diffusion):
             return self.inner(**kw, **module_kwargs)
 
     _compare(Call(), inputs, _force)
+    assert kernel_entries == {"packed": 1, "separate": 0}
 
 
 def test_clash_with_of3_kernel_flags_is_rejected(kit):

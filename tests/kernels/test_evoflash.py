@@ -18,6 +18,7 @@ from of3_megafold.kernels.backend import cuda_tf32
 from of3_megafold.kernels.evoflash import (
     configs,
     evoflash_attention,
+    evoflash_attention_packed,
     evoflash_attention_reference,
     function,
 )
@@ -40,11 +41,13 @@ class Case:
     bias_dtype: torch.dtype | None = None  # default: the input dtype
     high_precision: bool = False
     fused_qkv: bool = False  # q, k, v as slices of one [.., 3D] tensor
+    packed: int = 0  # 3: evoflash_attention_packed on [B, S, N, 3, H, D]; 4: gated
 
     def __str__(self):
         dt = str(self.dtype).removeprefix("torch.")
         hp = "-hp" if self.high_precision else ""
         fused = "-fused" if self.fused_qkv else ""
+        fused += f"-packed{self.packed}" if self.packed else ""
         bdt = str(self.bias_dtype).removeprefix("torch.") if self.bias_dtype else ""
         bdt = f"-{bdt}" if bdt else ""
         return (f"B{self.B}S{self.S}N{self.N}H{self.H}D{self.D}-{dt}{hp}"
@@ -59,7 +62,10 @@ def make_inputs(case: Case, device: str, seed: int):
     def randn(*shape, dtype=case.dtype):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    if case.fused_qkv:
+    if case.packed:
+        q = randn(B, S, N, case.packed, H, D).requires_grad_()  # the packed leaf
+        k = v = None
+    elif case.fused_qkv:
         qkv = randn(B, S, N, H, 3 * D)
         q, k, v = (t.detach().requires_grad_() for t in qkv.split(D, dim=-1))
     else:
@@ -105,11 +111,29 @@ def _kind(case: Case) -> str:
 
 
 def _outputs(fn, q, k, v, mask_bias, pair_bias, do):
-    """Output and gradients (q, k, v, pair_bias) of ``fn``."""
+    """Output and gradients (q, k, v, pair_bias) of ``fn``; for a packed input
+    (``k is None``: ``q`` is ``[B, S, N, P, H, D]``) the gradient's P slices."""
     o = fn(q, k, v, mask_bias, pair_bias)
-    leaves = [q, k, v] + ([pair_bias] if pair_bias is not None else [])
-    grads = torch.autograd.grad(o, leaves, do)
-    return [o.detach()] + list(grads)
+    inputs = [q] if k is None else [q, k, v]
+    leaves = inputs + ([pair_bias] if pair_bias is not None else [])
+    grads = list(torch.autograd.grad(o, leaves, do))
+    if k is None:
+        grads[:1] = grads[0].unbind(3)
+    return [o.detach()] + grads
+
+
+def _unpacked(fn):
+    """``fn`` (separate q, k, v) for a packed input: OF3's gating for ``P = 4``,
+    ``o * sigmoid(g)`` in the dtype ``fn`` returns."""
+
+    def call(q, k, v, m, b):
+        if k is not None:
+            return fn(q, k, v, m, b)
+        q, k, v, *gate = q.unbind(3)
+        o = fn(q, k, v, m, b)
+        return o * torch.sigmoid(gate[0].to(o.dtype)) if gate else o
+
+    return call
 
 
 def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = True):
@@ -118,15 +142,19 @@ def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = Tru
     q, k, v, mask_bias, pair_bias, do = make_inputs(case, device, seed)
 
     def kernel(q, k, v, m, b):
-        return evoflash_attention(q, k, v, m, b, high_precision=case.high_precision,
-                                  deterministic=deterministic)
+        options = dict(high_precision=case.high_precision, deterministic=deterministic)
+        if k is None:
+            return evoflash_attention_packed(q, m, b, **options)
+        return evoflash_attention(q, k, v, m, b, **options)
 
+    @_unpacked
     def plain(q, k, v, m, b):
         if m is not None and q.dtype == torch.float16 and not case.high_precision:
             m = m.clamp_min(-6e4)  # -1e9 is -inf in fp16 logits: NaN rows in torch
         return evoflash_attention_reference(q, k, v, m, b,
                                             upcast=case.high_precision)
 
+    @_unpacked
     def oracle(q, k, v, m, b):
         return evoflash_attention_reference(q, k, v, m, b)
 
@@ -134,12 +162,14 @@ def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = Tru
     got = _outputs(kernel, q, k, v, mask_bias, pair_bias, do)
     with cuda_tf32(kind == "tf32"):
         base = _outputs(plain, q, k, v, mask_bias, pair_bias, do)
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves64 = [t.detach().double().requires_grad_() if t is not None else None
+                for t in (q, k, v)]
     bias64 = (pair_bias.detach().double().requires_grad_()
               if pair_bias is not None else None)
     want = _outputs(oracle, *leaves64, mask_bias, bias64, do.double())
 
-    names = ["o", "dq", "dk", "dv", "dbias"]
+    gate = ["dgate"] if case.packed == 4 else []
+    names = ["o", "dq", "dk", "dv", *gate, "dbias"]
     rows = []
     for i, (name, g, b, w) in enumerate(zip(names, got, base, want, strict=False)):
         assert g.shape == w.shape and g.dtype == b.dtype, name
@@ -170,6 +200,11 @@ CPU_CASES = [
     Case(1, 1, 33, 2, 24, high_precision=True, mask="none"),
     Case(1, 3, 16, 1, 48, mask="none", bias="none"),
     Case(1, 3, 17, 2, 16, torch.float16),
+    # packed q/k/v[/gate] (the extension's self-attention path)
+    Case(1, 3, 17, 2, 24, torch.bfloat16, packed=4),
+    Case(2, 1, 33, 2, 16, bias="none", packed=3),
+    Case(1, 3, 16, 2, 32, high_precision=True, packed=4),
+    Case(1, 1, 1, 1, 8, packed=4),
 ]
 
 
@@ -178,9 +213,29 @@ def test_matches_fp64_reference(case, device):
     check_case(case, device, seed=zlib.crc32(str(case).encode()))
 
 
-def test_atomic_dq_variant(device):
-    case = Case(1, 3, 33, 2, 24, torch.bfloat16)
+@pytest.mark.parametrize("packed", [0, 4])
+def test_atomic_dq_variant(device, packed):
+    case = Case(1, 3, 33, 2, 24, torch.bfloat16, packed=packed)
     check_case(case, device, seed=1, deterministic=False)
+
+
+def test_packed_gradient_is_one_tensor(device):
+    """The packed backward returns one gradient in the input's layout (no
+    concatenation of per-slice gradients), and only the bias's when only it is
+    wanted (the gate gradient is still computed on the side)."""
+    case = Case(1, 2, 16, 2, 16, packed=4)
+    qkv, _, _, mask_bias, pair_bias, do = make_inputs(case, device, seed=9)
+    o = evoflash_attention_packed(qkv, mask_bias, pair_bias)
+    (dqkv,) = torch.autograd.grad(o, qkv, do)
+    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
+    o = evoflash_attention_packed(qkv.detach(), mask_bias, pair_bias)
+    (dbias,) = torch.autograd.grad(o, pair_bias, do)
+    o_ref = _unpacked(evoflash_attention_reference)(qkv.detach(), None, None,
+                                                    mask_bias, pair_bias)
+    (dbias_ref,) = torch.autograd.grad(o_ref, pair_bias, do)
+    torch.testing.assert_close(dbias, dbias_ref, **fp32_tol(1e-5, 1e-4))
+    with pytest.raises(ValueError, match="3 or 4"):
+        evoflash_attention_packed(qkv.detach()[:, :, :, :2])
 
 
 def test_one_slice_per_program(device, monkeypatch):
@@ -322,6 +377,10 @@ GPU_CASES = [
     Case(1, 1, 384, 16, 24, torch.bfloat16),
     Case(1, 1, 384, 16, 24, torch.float32, high_precision=True),
     Case(1, 48, 384, 16, 48, torch.bfloat16, high_precision=True),  # OF3's training
+    # the extension's packed, gated path at the call sites (high precision: upcast)
+    Case(1, 256, 256, 4, 32, torch.bfloat16, bias="permuted", packed=4),
+    Case(1, 48, 384, 16, 48, torch.float32, high_precision=True, packed=4),
+    Case(1, 1, 384, 16, 24, torch.float32, high_precision=True, packed=4),
 ]
 
 
@@ -332,8 +391,9 @@ def test_gpu_matches_fp64_reference(case, device):
 
 
 @pytest.mark.gpu
-def test_gpu_atomic_dq_variant(device):
-    check_case(Case(1, 64, 256, 4, 32, torch.bfloat16), device, seed=6,
+@pytest.mark.parametrize("packed", [0, 4])
+def test_gpu_atomic_dq_variant(device, packed):
+    check_case(Case(1, 64, 256, 4, 32, torch.bfloat16, packed=packed), device, seed=6,
                deterministic=False)
 
 
@@ -386,11 +446,16 @@ def test_shipped_table_keys_have_the_launches_form(device, monkeypatch):
             Case(1, S, 16, 2, 32, dtype), device, seed=11)
         if site == "single":
             q, k, v, do = (t.detach().float().requires_grad_() for t in (q, k, v, do))
+        # the extension's packed, gated path too (q, k, v and a gate of q's dtype)
+        qkv = torch.stack([q, k, v, q], dim=3).detach().requires_grad_()
         with monkeypatch.context() as patch:
             if unsplit:
                 patch.setattr(function, "_dbias_splits", lambda inp, dev: 1)
             o = evoflash_attention(q, k, v, mask_bias, pair_bias,
                                    high_precision=site != "triangle")
+            o.backward(do)
+            o = evoflash_attention_packed(qkv, mask_bias, pair_bias,
+                                          high_precision=site != "triangle")
             o.backward(do)
     tuned_launches = {(n, d) for n, d in launched if n in shipped}
     assert {n for n, _ in tuned_launches} == set(shipped)

@@ -45,15 +45,22 @@ from ._tiles import (
 
 @triton.jit
 def _evoflash_bwd_preprocess_kernel(
-    OUT, DO, RSCALE, DELTA, RFLAG,
+    OUT, DO, RSCALE, DELTA, RFLAG, GATE, DGATE, DO_OUT,
     stride_ob, stride_os, stride_on, stride_oh,
     stride_dob, stride_dos, stride_don, stride_doh,
+    stride_gtb, stride_gts, stride_gtn, stride_gth,
     S, N, H, D,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``delta = r * rowsum(dO * O)`` per query row, and ``RFLAG[b, s] = 1`` (an
     int32 zero-initialised ``[B, S]``) where a query of slice ``(b, s)`` has
-    ``r < 1``: a fully masked query, whose normalisation the dK/dV pass must apply."""
+    ``r < 1``: a fully masked query, whose normalisation the dK/dV pass must apply.
+
+    With ``GATED``, ``OUT`` holds the gated output ``O' = O sigmoid(g)`` and ``DO``
+    its gradient. Then ``dO . O = dO' . O'`` gives ``delta`` as it stands, the gate
+    gradient ``dO' O' (1 - sigmoid(g))`` goes to ``DGATE`` (``GATE``'s strides) and
+    the attention's own ``dO = dO' sigmoid(g)`` to ``DO_OUT`` (``OUT``'s strides),
+    which the other backward kernels then read."""
     pid_m = tl.program_id(0)
     pid_bsh = tl.program_id(1)
     h = pid_bsh % H
@@ -72,6 +79,18 @@ def _evoflash_bwd_preprocess_kernel(
     partial = tl.max((r < 1 - 1e-4).to(tl.int32), 0)
     if partial != 0:
         tl.atomic_max(RFLAG + b * S + s, partial)
+    if GATED:
+        inside = (offs_m[:, None] < N) & (offs_d[None, :] < D)
+        gate_off = offs_m[:, None] * stride_gtn + offs_d[None, :]
+        gate_row = _row_ptr(GATE, b, s, h, stride_gtb, stride_gts, stride_gth)
+        sig = tl.sigmoid(_load_tile(gate_row, offs_m, offs_d, stride_gtn, N, D,
+                                    False, True, False, True))
+        dgate_row = _row_ptr(DGATE, b, s, h, stride_gtb, stride_gts, stride_gth)
+        tl.store(dgate_row + gate_off,
+                 _cast(do * o * (1.0 - sig), DGATE.dtype.element_ty), mask=inside)
+        do_out_row = _row_ptr(DO_OUT, b, s, h, stride_ob, stride_os, stride_oh)
+        tl.store(do_out_row + offs_m[:, None] * stride_on + offs_d[None, :],
+                 _cast(do * sig, DO_OUT.dtype.element_ty), mask=inside)
 
 
 @triton.jit

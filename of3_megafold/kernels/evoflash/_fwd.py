@@ -7,6 +7,9 @@ every S slice when the bias is broadcast over S, so it is loaded once per key bl
 and used ``S_GROUP`` times: at OF3's triangle shapes the bias tile, not the dots, is
 the bulk of the L2 traffic per exponential.
 
+With ``GATED`` the stored output is ``O * sigmoid(gate)``, OF3's gating (a
+``[B, S, N, H, D]`` gate, one value per output element) applied in the epilogue.
+
 Stored per query row, base 2: ``lse = m2 + log2(l)`` with ``m2 = log2(e) * max_j s``,
 and ``r = 2^(lse - m2 - log2 l)``, the factor the rounding of ``lse`` lost. ``r`` is 1
 up to an ulp except for a query whose keys are all masked by a -1e9 bias: there
@@ -59,17 +62,22 @@ def _fwd_key_block(
 
 @triton.jit
 def _fwd_store(
-    acc, m_i, l_i, O_row, LSE_row, R_row, offs_m, offs_d, stride_on, n_rows, D,
+    acc, m_i, l_i, O_row, LSE_row, R_row, GATE_row, offs_m, offs_d, stride_on,
+    stride_gtn, n_rows, D, GATED: tl.constexpr,
 ):
-    """Normalise and store one S slice's rows; ``n_rows`` is N, or 0 for a slice
-    past S (a scalar row limit rather than a boolean: the interpreter cannot
-    combine a scalar int1 with a block mask)."""
+    """Normalise and store one S slice's rows, times ``sigmoid(gate)`` if GATED;
+    ``n_rows`` is N, or 0 for a slice past S (a scalar row limit rather than a
+    boolean: the interpreter cannot combine a scalar int1 with a block mask)."""
     m2 = m_i * LOG2E  # exactly as in _fwd_key_block
     log2_l = tl.math.log2(l_i)
     lse = m2 + log2_l
     r = tl.math.exp2((lse - m2) - log2_l)
     o = acc / l_i[:, None]
     rows_ok = offs_m < n_rows
+    if GATED:
+        gate = tl.load(GATE_row + offs_m[:, None] * stride_gtn + offs_d[None, :],
+                       mask=rows_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        o = o * tl.sigmoid(gate.to(tl.float32))
     o_ptrs = O_row + offs_m[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, _cast(o, O_row.dtype.element_ty),
              mask=rows_ok[:, None] & (offs_d[None, :] < D))
@@ -79,7 +87,7 @@ def _fwd_store(
 
 @triton.jit
 def _evoflash_fwd_kernel(
-    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE, RFLAG,
+    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE, RFLAG, GATE,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
@@ -87,10 +95,11 @@ def _evoflash_fwd_kernel(
     stride_ob, stride_os, stride_on, stride_oh,
     stride_mb, stride_ms, stride_mn,
     stride_bb, stride_bs, stride_bh, stride_bi,
+    stride_gtb, stride_gts, stride_gtn, stride_gth,
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -155,13 +164,16 @@ def _evoflash_fwd_kernel(
     _fwd_store(acc0, m0, l0,
                _row_ptr(OUT, b, s0, h, stride_ob, stride_os, stride_oh),
                _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
-               offs_m, offs_d, stride_on, N, D)
+               _row_ptr(GATE, b, s0, h, stride_gtb, stride_gts, stride_gth),
+               offs_m, offs_d, stride_on, stride_gtn, N, D, GATED)
     if S_GROUP == 2:
         _fwd_store(acc1, m1, l1,
                    _row_ptr(OUT, b, s1, h, stride_ob, stride_os, stride_oh),
                    _stat_ptr(LSE, b, s1, h, S, H, N),
                    _stat_ptr(RSCALE, b, s1, h, S, H, N),
-                   offs_m, offs_d, stride_on, tl.where(s0 + 1 < S, N, 0), D)
+                   _row_ptr(GATE, b, s1, h, stride_gtb, stride_gts, stride_gth),
+                   offs_m, offs_d, stride_on, stride_gtn,
+                   tl.where(s0 + 1 < S, N, 0), D, GATED)
     # Zero the backward's per-slice flags (set by its preprocess kernel, after this
     # kernel has run: no fill launch of its own).
     if (m_blk == 0) & (h == 0):

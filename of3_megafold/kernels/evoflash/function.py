@@ -182,10 +182,17 @@ class _Inputs:
                     HAS_BIAS=self.bias is not None, BIAS_PER_S=self.bias_per_s)
 
 
-def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
+def _gate_strides(gate: torch.Tensor | None) -> dict:
+    sb, ss, sn, sh = _strides(gate) if gate is not None else (0, 0, 0, 0)
+    return dict(stride_gtb=sb, stride_gts=ss, stride_gtn=sn, stride_gth=sh)
+
+
+def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
+                 gate: torch.Tensor | None = None):
     """Launch the forward kernel. Returns ``(o, lse, r, flags)``: the output in the
-    input layout and dtype, the two fp32 ``[B, S, H, N]`` row statistics and the
-    backward's int32 ``[B, S]`` fully-masked-query flags, zeroed here."""
+    input layout and dtype (times ``sigmoid(gate)`` with a ``[B, S, N, H, D]``
+    gate), the two fp32 ``[B, S, H, N]`` row statistics and the backward's int32
+    ``[B, S]`` fully-masked-query flags, zeroed here."""
     B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
     q = inp.q
     o = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
@@ -204,11 +211,13 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool):
         MASK=inp.mask if inp.mask is not None else q,
         BIAS=inp.bias if inp.bias is not None else q,
         OUT=o, LSE=lse, RSCALE=r, RFLAG=flags,
+        GATE=gate if gate is not None else q,
         sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
         stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
         stride_ob=sob, stride_os=sos, stride_on=son, stride_oh=soh,
+        **_gate_strides(gate), GATED=gate is not None,
         **inp.common_args(high_precision), **inp.bias_args(),
     )
     return o, lse, r, flags
@@ -243,9 +252,15 @@ def evoflash_bwd(
     inp: _Inputs, do: torch.Tensor, o, lse, r, flags, scale: float,
     high_precision: bool,
     deterministic: bool, need_dq: bool, need_dkdv: bool, need_dbias: bool,
+    gate: torch.Tensor | None = None, grads: tuple | None = None,
 ):
     """Launch the backward kernels. Returns ``(dq, dk, dv, dbias)``, None where not
-    needed; ``dbias`` has the pair bias's shape and dtype."""
+    needed; ``dbias`` has the pair bias's shape and dtype.
+
+    With the forward's ``gate``, ``o`` and ``do`` are the gated output and its
+    gradient. ``grads``: ``(dq, dk, dv[, dgate])`` ``[B, S, N, H, D]`` views with one
+    set of strides (slices of one packed gradient) to write into instead of new
+    tensors; required with a gate (the gate gradient is written there)."""
     B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
     q = inp.q
     if do.stride(-1) != 1:
@@ -255,15 +270,33 @@ def evoflash_bwd(
     sdb, sds, sdn, sdh = _strides(do)
     block_d = max(16, next_power_of_2(D))
     pre_block = 64 if block_d <= 64 else 32
+    gated = gate is not None
+    do_in = do
+    if gated:
+        if grads is None or len(grads) != 4 or grads[3].stride() != gate.stride():
+            raise ValueError("a gated backward writes the gate gradient into "
+                             "grads[3], which must have the gate's strides")
+        do = torch.empty_like(o)  # the attention's dO: dO' sigmoid(gate)
     # flags: S slices holding a query whose keys are all masked (r = 1/l there)
     _preprocess[(cdiv(N, pre_block), B * S * H)](
-        o, do, r, delta, flags,
+        o, do_in, r, delta, flags,
+        gate if gated else o, grads[3] if gated else o, do,
         sob, sos, son, soh, sdb, sds, sdn, sdh,
-        S, N, H, D, BLOCK_M=pre_block, BLOCK_D=block_d,
+        *_gate_strides(gate).values(),
+        S, N, H, D, GATED=gated, BLOCK_M=pre_block, BLOCK_D=block_d,
     )
+    if gated:
+        sdb, sds, sdn, sdh = _strides(do)
 
-    # dq, dk, dv (and the fp32 dQ accumulator) are contiguous [B, S, N, H, D]
-    sgb, sgs, sgn, sgh = S * N * H * D, N * H * D, H * D, D
+    # dq, dk, dv: contiguous [B, S, N, H, D], or the given views (one set of
+    # strides); the fp32 dQ accumulator of the atomic variant is contiguous
+    contiguous_g = (S * N * H * D, N * H * D, H * D, D)
+    if grads is not None:
+        if len({t.stride() for t in grads}) != 1:
+            raise ValueError("the gradient views must share their strides")
+        sgb, sgs, sgn, sgh = _strides(grads[0])
+    else:
+        sgb, sgs, sgn, sgh = contiguous_g
     unused = torch.empty(1, dtype=torch.float32, device=q.device)
     (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
     svb, svs, svn, svh = _strides(inp.v)
@@ -283,8 +316,11 @@ def evoflash_bwd(
     dq = dk = dv = dbias = None
 
     if need_dkdv:
-        dk = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
-        dv = torch.empty_like(dk)
+        if grads is not None:
+            dk, dv = grads[1], grads[2]
+        else:
+            dk = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
+            dv = torch.empty_like(dk)
         bias_args = inp.bias_args()
         bias_t = bias
         if inp.bias is not None:
@@ -325,8 +361,13 @@ def evoflash_bwd(
             return (cdiv(N, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
                     * H * B * splits,)
 
+        dbias_args = dict(args)
+        if fuse_dq:
+            for name, stride in zip(("stride_gb", "stride_gs", "stride_gn",
+                                     "stride_gh"), contiguous_g, strict=True):
+                dbias_args[name] = stride
         _dbias[grid_dbias](
-            BIAS=bias, **args,
+            BIAS=bias, **dbias_args,
             DQ_ACC=dq_acc, DBIAS_PART=part,
             stride_bb=sb, stride_bh=sh, stride_bi=si,
             stride_dbp=part.stride(0), stride_dbb=part.stride(1),
@@ -338,12 +379,13 @@ def evoflash_bwd(
             _dbias_sum[(cdiv(dbias.numel(), block),)](
                 part, dbias, splits, dbias.numel(), BLOCK=block)
         if fuse_dq:
-            dq = dq_acc.to(q.dtype)
+            dq = grads[0].copy_(dq_acc) if grads is not None else dq_acc.to(q.dtype)
 
     store_ds = need_dbias and not reduce_over_s
     if (need_dq and not fuse_dq) or store_ds:
         if need_dq and not fuse_dq:
-            dq = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
+            dq = (grads[0] if grads is not None else
+                  torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device))
         if store_ds:
             dbias = torch.empty((B, bias_s, H, N, N), dtype=dbias_dtype,
                                 device=q.device)
@@ -417,6 +459,98 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
         )
         return (dq, dk if need_dk else None, dv if need_dv else None, None, dbias,
                 None, None, None)
+
+
+class EvoFlashPackedAttentionFunction(torch.autograd.Function):
+    """Autograd function behind :func:`evoflash_attention_packed`.
+
+    Saves the packed input, O (gated, with a gate), the row statistics and the
+    slice flags. The backward writes dQ, dK, dV and the gate gradient into one
+    packed gradient of the input's layout, so the one projection that made the
+    input gets one gradient and no concatenation."""
+
+    @staticmethod
+    def forward(ctx, qkv, mask_bias, pair_bias, scale, high_precision, deterministic):
+        qkv = _checked_packed(qkv)
+        q, k, v, *gate = qkv.unbind(3)
+        inp = _Inputs(q, k, v, mask_bias, pair_bias)
+        if scale is None:
+            scale = inp.D ** -0.5
+        ctx.empty = qkv.numel() == 0
+        if ctx.empty:
+            ctx.bias_shape, ctx.qkv_shape = inp.bias_shape, qkv.shape
+            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        o, lse, r, flags = evoflash_fwd(inp, scale, high_precision,
+                                        gate[0] if gate else None)
+        ctx.save_for_backward(qkv, inp.mask, inp.bias, o, lse, r, flags)
+        ctx.inp = inp.with_tensors(None, None, None, None, None)
+        ctx.scale = scale
+        ctx.high_precision = high_precision
+        ctx.deterministic = deterministic
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        need_qkv, _, need_dbias = ctx.needs_input_grad[:3]
+        if ctx.empty:
+            dqkv = (torch.zeros(ctx.qkv_shape, dtype=do.dtype, device=do.device)
+                    if need_qkv else None)
+            bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
+                         if need_dbias else None)
+            return dqkv, None, bias_grad, None, None, None
+        qkv, mask, bias, o, lse, r, flags = ctx.saved_tensors
+        q, k, v, *gate = qkv.unbind(3)
+        # a gate gradient is written even when only the bias needs a gradient
+        dqkv = torch.empty_like(qkv) if need_qkv or gate else None
+        _, _, _, dbias = evoflash_bwd(
+            ctx.inp.with_tensors(q, k, v, mask, bias), do, o, lse, r, flags,
+            ctx.scale, ctx.high_precision, ctx.deterministic, need_qkv, need_qkv,
+            need_dbias, gate[0] if gate else None,
+            dqkv.unbind(3) if dqkv is not None else None,
+        )
+        return dqkv if need_qkv else None, None, dbias, None, None, None
+
+
+def _checked_packed(qkv: torch.Tensor) -> torch.Tensor:
+    if qkv.dim() != 6 or qkv.shape[3] not in (3, 4):
+        raise ValueError(
+            f"qkv must be [B, S, N, 3 or 4, H, D], got shape {tuple(qkv.shape)}"
+        )
+    # contiguous: its gradient (empty_like) then has the same strides
+    return qkv.contiguous()
+
+
+def evoflash_attention_packed(
+    qkv: torch.Tensor,
+    mask_bias: torch.Tensor | None = None,
+    pair_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    high_precision: bool = False,
+    deterministic: bool = True,
+) -> torch.Tensor:
+    """:func:`evoflash_attention` on q, k, v packed in one tensor, with OF3's gating.
+
+    Args:
+        qkv: ``[B, S, N, P, H, D]``: ``qkv[:, :, :, 0..2]`` are q, k, v, and with
+            ``P = 4`` ``qkv[:, :, :, 3]`` is the gate ``g`` (OF3's ``linear_g``
+            output before its sigmoid). This is one ``[*, N, P * H * D]``
+            projection viewed per head, so the projection's gradient comes back as
+            one tensor of this layout.
+        mask_bias, pair_bias, scale, high_precision, deterministic: as in
+            :func:`evoflash_attention`.
+
+    Returns:
+        ``[B, S, N, H, D]``: ``softmax(scale q k^T + mask_bias + pair_bias) v``,
+        times ``sigmoid(g)`` with ``P = 4`` (computed in fp32 in the kernel's
+        epilogue and rounded once).
+    """
+    if not runs_on(qkv):
+        raise RuntimeError(
+            "evoflash_attention_packed needs a CUDA tensor (or TRITON_INTERPRET=1)"
+        )
+    return EvoFlashPackedAttentionFunction.apply(
+        qkv, mask_bias, pair_bias, scale, high_precision, deterministic
+    )
 
 
 def evoflash_attention(
