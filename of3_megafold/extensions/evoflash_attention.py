@@ -128,11 +128,15 @@ def evoflash_forward(
 ) -> torch.Tensor:
     """OF3's ``Attention.forward`` with the core on the EvoFlash-3D kernel.
 
-    Self-attention (``q_x is kv_x``: every OF3 call site the kernel serves) runs its
-    q/k/v/gate projections as one GEMM (:func:`packed_projection`) and the gating in
-    the kernel (:func:`evoflash_attention_packed`): one input-gradient GEMM instead
-    of four plus their sum, and no stored sigmoid or ungated output. Otherwise the
-    projections and gating are OF3's own.
+    Self-attention (``q_x is kv_x``: every OF3 call site the kernel serves) in the
+    projections' dtype runs its q/k/v/gate projections as one GEMM
+    (:func:`packed_projection`) and the gating in the kernel
+    (:func:`evoflash_attention_packed`): one input-gradient GEMM instead of four
+    plus their sum, no stored sigmoid or ungated output. High-precision calls (the
+    diffusion transformer, the trunk's single attention) and cross inputs keep
+    OF3's projections and gating around the kernel: there q, k and v are upcast to
+    fp32, and an fp32 copy of a packed projection, gate included, cost more memory
+    than it saved (session 13, docs/benchmarks.md).
 
     Args:
         attention: OF3's ``Attention`` module (its weights are used as they are).
@@ -153,19 +157,15 @@ def evoflash_forward(
     n = q_x.shape[-2]
     b = math.prod(lead[:-1])
     mask_bias, pair_bias = split_biases(biases, lead)
-    packed = packed_projection(attention, q_x) if q_x is kv_x else None
+    self_attention = q_x is kv_x and not high_precision
+    packed = packed_projection(attention, q_x) if self_attention else None
     if packed is not None:
-        in_dtype = packed.dtype
-        qkv = packed.view(b, lead[-1], n, -1, heads, c)
-        if high_precision:
-            qkv = qkv.float()
         o = evoflash_attention_packed(
-            qkv,
+            packed.view(b, lead[-1], n, -1, heads, c),
             mask_bias=mask_bias,
             pair_bias=pair_bias,
             scale=1.0 / math.sqrt(c),
-            high_precision=high_precision,
-        ).to(in_dtype)
+        )
         if attention.linear_g is None:  # nothing to gate: OF3's output projection
             return attention._wrap_up(o.view(*q_x.shape[:-1], heads, c), q_x)
         return attention.linear_o(o.view(*q_x.shape[:-1], heads * c))

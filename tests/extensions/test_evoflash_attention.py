@@ -207,8 +207,10 @@ def test_triangle_attention_reads_model_settings(kit, interpreted_kernels):
     _compare(module.train(), {"x": x, "mask": torch.ones(1, 6, 6)}, tag)
 
 
-@pytest.mark.parametrize("diffusion", [False, True])
-def test_attention_pair_bias(kit, interpreted_kernels, kernel_entries, diffusion):
+@pytest.mark.parametrize(("diffusion", "high_precision"),
+                         [(False, True), (True, True), (False, False)])
+def test_attention_pair_bias(kit, interpreted_kernels, kernel_entries, diffusion,
+                             high_precision):
     from openfold3.core.model.layers import attention_pair_bias as apb
 
     cls = apb.DiffusionAttentionPairBias if diffusion else apb.AttentionPairBias
@@ -224,7 +226,7 @@ def test_attention_pair_bias(kit, interpreted_kernels, kernel_entries, diffusion
     }
     if diffusion:
         inputs["s"] = torch.randn(*lead, n, 8)
-    module_kwargs = {"use_high_precision_attention": True}
+    module_kwargs = {"use_high_precision_attention": high_precision}
 
     class Call(torch.nn.Module):
         def __init__(self):
@@ -235,7 +237,9 @@ def test_attention_pair_bias(kit, interpreted_kernels, kernel_entries, diffusion
             return self.inner(**kw, **module_kwargs)
 
     _compare(Call(), inputs, _force)
-    assert kernel_entries == {"packed": 1, "separate": 0}
+    # high precision keeps OF3's projections (q, k, v upcast), else one packed GEMM
+    packed = int(not high_precision)
+    assert kernel_entries == {"packed": packed, "separate": 1 - packed}
 
 
 def test_clash_with_of3_kernel_flags_is_rejected(kit):

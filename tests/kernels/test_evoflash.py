@@ -377,10 +377,10 @@ GPU_CASES = [
     Case(1, 1, 384, 16, 24, torch.bfloat16),
     Case(1, 1, 384, 16, 24, torch.float32, high_precision=True),
     Case(1, 48, 384, 16, 48, torch.bfloat16, high_precision=True),  # OF3's training
-    # the extension's packed, gated path at the call sites (high precision: upcast)
+    # packed q/k/v[/gate]: the extension's path for 16-bit self-attention
     Case(1, 256, 256, 4, 32, torch.bfloat16, bias="permuted", packed=4),
-    Case(1, 48, 384, 16, 48, torch.float32, high_precision=True, packed=4),
-    Case(1, 1, 384, 16, 24, torch.float32, high_precision=True, packed=4),
+    Case(1, 4, 300, 2, 48, torch.bfloat16, packed=4),
+    Case(1, 4, 129, 2, 64, torch.float16, packed=3),
 ]
 
 

@@ -58,9 +58,11 @@ def _evoflash_bwd_preprocess_kernel(
 
     With ``GATED``, ``OUT`` holds the gated output ``O' = O sigmoid(g)`` and ``DO``
     its gradient. Then ``dO . O = dO' . O'`` gives ``delta`` as it stands, the gate
-    gradient ``dO' O' (1 - sigmoid(g))`` goes to ``DGATE`` (``GATE``'s strides) and
-    the attention's own ``dO = dO' sigmoid(g)`` to ``DO_OUT`` (``OUT``'s strides),
-    which the other backward kernels then read."""
+    gradient ``dO' O' (1 - sigmoid(g))`` goes to ``DGATE`` and the attention's own
+    ``dO = dO' sigmoid(g)`` to ``DO_OUT``, both with ``GATE``'s strides, which the
+    other backward kernels then read (the launcher passes dQ's slot of the packed
+    gradient: the dQ kernel, last to read dO, reads a program's rows before it
+    writes them)."""
     pid_m = tl.program_id(0)
     pid_bsh = tl.program_id(1)
     h = pid_bsh % H
@@ -88,9 +90,9 @@ def _evoflash_bwd_preprocess_kernel(
         dgate_row = _row_ptr(DGATE, b, s, h, stride_gtb, stride_gts, stride_gth)
         tl.store(dgate_row + gate_off,
                  _cast(do * o * (1.0 - sig), DGATE.dtype.element_ty), mask=inside)
-        do_out_row = _row_ptr(DO_OUT, b, s, h, stride_ob, stride_os, stride_oh)
-        tl.store(do_out_row + offs_m[:, None] * stride_on + offs_d[None, :],
-                 _cast(do * sig, DO_OUT.dtype.element_ty), mask=inside)
+        do_out_row = _row_ptr(DO_OUT, b, s, h, stride_gtb, stride_gts, stride_gth)
+        tl.store(do_out_row + gate_off, _cast(do * sig, DO_OUT.dtype.element_ty),
+                 mask=inside)
 
 
 @triton.jit

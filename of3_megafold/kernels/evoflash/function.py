@@ -276,7 +276,9 @@ def evoflash_bwd(
         if grads is None or len(grads) != 4 or grads[3].stride() != gate.stride():
             raise ValueError("a gated backward writes the gate gradient into "
                              "grads[3], which must have the gate's strides")
-        do = torch.empty_like(o)  # the attention's dO: dO' sigmoid(gate)
+        # the attention's dO = dO' sigmoid(gate), in dQ's slot until the dQ kernel
+        # (the last to read dO) overwrites it row block by row block
+        do = grads[0]
     # flags: S slices holding a query whose keys are all masked (r = 1/l there)
     _preprocess[(cdiv(N, pre_block), B * S * H)](
         o, do_in, r, delta, flags,
