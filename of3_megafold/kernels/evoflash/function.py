@@ -34,11 +34,13 @@ _HEURISTICS = {
 _KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "PRECISION"]
 
 
-def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None) -> TunedKernel:
+def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None,
+             restore_value=None) -> TunedKernel:
     """The kernel with its heuristics, autotuned over ``tuned_configs`` on ``key``
     (under the interpreter: the fixed ``configs.INTERPRETER_CONFIGS[name]``),
     launched through :class:`TunedKernel` with the shipped choices for this GPU
-    (:mod:`.tuned`)."""
+    (:mod:`.tuned`). ``reset_to_zero``/``restore_value``: arguments the autotuner
+    zeroes or restores between its timed runs."""
     presets = functools.partial(tuned.tuned_configs, kernel.fn.__name__)
     kernel = triton.heuristics(_HEURISTICS)(kernel)
     if configs.INTERPRET:
@@ -48,6 +50,7 @@ def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None) -> Tuned
         "key": key,
         "prune_configs_by": {"early_config_prune": configs.prune_configs},
         "reset_to_zero": reset_to_zero,
+        "restore_value": restore_value,
     }
     try:
         autotuned = triton.autotune(cache_results=True, **options)(kernel)
@@ -59,9 +62,12 @@ def _tunable(kernel, name: str, tuned_configs, key, reset_to_zero=None) -> Tuned
 _fwd = _tunable(_evoflash_fwd_kernel, "fwd",
                 configs.FWD_CONFIGS + configs.FWD_CONFIGS_FP32,
                 _KEY + ["HAS_BIAS", "BIAS_PER_S"])
+# In a gated backward dO lives in dQ's slot of the packed gradient (evoflash_bwd):
+# the autotuner's timed runs overwrite it, so it restores dO after each.
 _dq = _tunable(_evoflash_bwd_dq_kernel, "dq",
                configs.DQ_CONFIGS + configs.DQ_CONFIGS_FP32,
-               _KEY + ["HAS_BIAS", "BIAS_PER_S", "COMPUTE_DQ", "STORE_DS"])
+               _KEY + ["HAS_BIAS", "BIAS_PER_S", "COMPUTE_DQ", "STORE_DS"],
+               restore_value=["DO"])
 _dkdv = _tunable(_evoflash_bwd_dkdv_kernel, "dkdv",
                  configs.DKDV_CONFIGS + configs.DKDV_CONFIGS_FP32,
                  _KEY + ["HAS_BIAS", "BIAS_PER_S"])
