@@ -157,8 +157,8 @@ def evoflash_forward(
     n = q_x.shape[-2]
     b = math.prod(lead[:-1])
     mask_bias, pair_bias = split_biases(biases, lead)
-    self_attention = q_x is kv_x and not high_precision
-    packed = packed_projection(attention, q_x) if self_attention else None
+    packable = q_x is kv_x and not high_precision
+    packed = packed_projection(attention, q_x) if packable else None
     if packed is not None:
         o = evoflash_attention_packed(
             packed.view(b, lead[-1], n, -1, heads, c),

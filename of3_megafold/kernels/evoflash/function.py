@@ -188,9 +188,9 @@ class _Inputs:
                     HAS_BIAS=self.bias is not None, BIAS_PER_S=self.bias_per_s)
 
 
-def _gate_strides(gate: torch.Tensor | None) -> dict:
-    sb, ss, sn, sh = _strides(gate) if gate is not None else (0, 0, 0, 0)
-    return dict(stride_gtb=sb, stride_gts=ss, stride_gtn=sn, stride_gth=sh)
+def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """(b, s, n, h) strides of the gate; zeros without one."""
+    return _strides(gate) if gate is not None else (0, 0, 0, 0)
 
 
 def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
@@ -212,6 +212,7 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
 
     (sqb, sqs, sqn, sqh), (skb, sks, skn, skh) = _strides(q), _strides(inp.k)
     (svb, svs, svn, svh), (sob, sos, son, soh) = _strides(inp.v), _strides(o)
+    sgtb, sgts, sgtn, sgth = _gate_strides(gate)
     _fwd[grid](
         Q=q, K=inp.k, V=inp.v,
         MASK=inp.mask if inp.mask is not None else q,
@@ -223,7 +224,8 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
         stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
         stride_ob=sob, stride_os=sos, stride_on=son, stride_oh=soh,
-        **_gate_strides(gate), GATED=gate is not None,
+        stride_gtb=sgtb, stride_gts=sgts, stride_gtn=sgtn, stride_gth=sgth,
+        GATED=gate is not None,
         **inp.common_args(high_precision), **inp.bias_args(),
     )
     return o, lse, r, flags
@@ -290,7 +292,7 @@ def evoflash_bwd(
         o, do_in, r, delta, flags,
         gate if gated else o, grads[3] if gated else o, do,
         sob, sos, son, soh, sdb, sds, sdn, sdh,
-        *_gate_strides(gate).values(),
+        *_gate_strides(gate),
         S, N, H, D, GATED=gated, BLOCK_M=pre_block, BLOCK_D=block_d,
     )
     if gated:
@@ -419,6 +421,35 @@ def evoflash_bwd(
     return dq, dk, dv, dbias
 
 
+def _forward(ctx, inp: _Inputs, scale, high_precision: bool, deterministic: bool,
+             gate: torch.Tensor | None = None):
+    """The forward of both autograd functions: keeps on ``ctx`` what their backward
+    needs besides the saved tensors and runs the kernel. Returns ``(o, (lse, r,
+    flags))``, or ``(an empty o, None)`` for an empty input (``ctx.empty``).
+
+    The backward reuses the checked views' strides and flags; the tensors travel
+    through save_for_backward (in-place modification checks, and freed after the
+    backward: the node itself lives until the graph does)."""
+    ctx.empty = inp.q.numel() == 0
+    ctx.bias_shape = inp.bias_shape
+    ctx.inp = inp.with_tensors(None, None, None, None, None)
+    ctx.scale = scale if scale is not None else inp.D ** -0.5
+    ctx.high_precision = high_precision
+    ctx.deterministic = deterministic
+    if ctx.empty:
+        return torch.empty(inp.q.shape, dtype=inp.q.dtype, device=inp.q.device), None
+    o, *stats = evoflash_fwd(inp, ctx.scale, high_precision, gate)
+    return o, stats
+
+
+def _require_device(t: torch.Tensor, name: str) -> None:
+    if not runs_on(t):
+        raise RuntimeError(
+            f"{name} needs a CUDA tensor (or TRITON_INTERPRET=1); use "
+            "evoflash_attention_reference on CPU"
+        )
+
+
 class EvoFlashAttentionFunction(torch.autograd.Function):
     """Autograd function behind :func:`evoflash_attention` (same arguments).
 
@@ -432,22 +463,9 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, mask_bias, pair_bias, scale, high_precision,
                 deterministic):
         inp = _Inputs(q, k, v, mask_bias, pair_bias)
-        if scale is None:
-            scale = inp.D ** -0.5
-        ctx.empty = q.numel() == 0
-        if ctx.empty:
-            ctx.bias_shape = inp.bias_shape
-            return torch.empty((inp.B, inp.S, inp.N, inp.H, inp.D), dtype=q.dtype,
-                               device=q.device)
-        o, lse, r, flags = evoflash_fwd(inp, scale, high_precision)
-        # The backward reuses the checked views' strides and flags; the tensors
-        # travel through save_for_backward (in-place modification checks, and
-        # freed after the backward: the node itself lives until the graph does).
-        ctx.save_for_backward(*inp.tensors(), o, lse, r, flags)
-        ctx.inp = inp.with_tensors(None, None, None, None, None)
-        ctx.scale = scale
-        ctx.high_precision = high_precision
-        ctx.deterministic = deterministic
+        o, stats = _forward(ctx, inp, scale, high_precision, deterministic)
+        if stats is not None:
+            ctx.save_for_backward(*inp.tensors(), o, *stats)
         return o
 
     @staticmethod
@@ -482,19 +500,11 @@ class EvoFlashPackedAttentionFunction(torch.autograd.Function):
         qkv = _checked_packed(qkv)
         q, k, v, *gate = qkv.unbind(3)
         inp = _Inputs(q, k, v, mask_bias, pair_bias)
-        if scale is None:
-            scale = inp.D ** -0.5
-        ctx.empty = qkv.numel() == 0
-        if ctx.empty:
-            ctx.bias_shape, ctx.qkv_shape = inp.bias_shape, qkv.shape
-            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        o, lse, r, flags = evoflash_fwd(inp, scale, high_precision,
-                                        gate[0] if gate else None)
-        ctx.save_for_backward(qkv, inp.mask, inp.bias, o, lse, r, flags)
-        ctx.inp = inp.with_tensors(None, None, None, None, None)
-        ctx.scale = scale
-        ctx.high_precision = high_precision
-        ctx.deterministic = deterministic
+        ctx.qkv_shape = qkv.shape
+        o, stats = _forward(ctx, inp, scale, high_precision, deterministic,
+                            gate[0] if gate else None)
+        if stats is not None:
+            ctx.save_for_backward(qkv, inp.mask, inp.bias, o, *stats)
         return o
 
     @staticmethod
@@ -552,10 +562,7 @@ def evoflash_attention_packed(
         times ``sigmoid(g)`` with ``P = 4`` (computed in fp32 in the kernel's
         epilogue and rounded once).
     """
-    if not runs_on(qkv):
-        raise RuntimeError(
-            "evoflash_attention_packed needs a CUDA tensor (or TRITON_INTERPRET=1)"
-        )
+    _require_device(qkv, "evoflash_attention_packed")
     return EvoFlashPackedAttentionFunction.apply(
         qkv, mask_bias, pair_bias, scale, high_precision, deterministic
     )
@@ -602,11 +609,7 @@ def evoflash_attention(
     Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``; anywhere else it raises
     (use :func:`evoflash_attention_reference`).
     """
-    if not runs_on(q):
-        raise RuntimeError(
-            "evoflash_attention needs a CUDA tensor (or TRITON_INTERPRET=1); "
-            "use evoflash_attention_reference on CPU"
-        )
+    _require_device(q, "evoflash_attention")
     return EvoFlashAttentionFunction.apply(
         q, k, v, mask_bias, pair_bias, scale, high_precision, deterministic
     )
