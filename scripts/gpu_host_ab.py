@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,19 +66,10 @@ def _set_direct(on: bool) -> None:
 
 
 def _wall_ms(forward, inputs) -> float:
-    import torch
-
     from of3_megafold.bench.attention_core import _step
+    from of3_megafold.bench.common import wall_ms_per_call
 
-    step = _step(forward, *inputs)
-    for _ in range(WARMUP):
-        step()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(CALLS):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / CALLS * 1e3
+    return wall_ms_per_call(_step(forward, *inputs), CALLS, warmup=WARMUP)
 
 
 def run(out: Path | None) -> None:

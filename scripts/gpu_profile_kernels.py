@@ -114,12 +114,9 @@ def _warm_up(step) -> None:
 
 
 def _kernel_profile(name: str, step, lines: list[str]) -> None:
-    _warm_up(step)
-    started = time.perf_counter()
-    for _ in range(REPEATS):
-        step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - started) * 1e3 / REPEATS
+    from of3_megafold.bench.common import wall_ms_per_call
+
+    wall_ms = wall_ms_per_call(step, REPEATS)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPEATS):
             step()

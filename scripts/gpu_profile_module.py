@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -48,6 +47,7 @@ def _table(events, per_call: int, key: str) -> str:
 def profile_case(n: int, provider: str) -> str:
     from of3_megafold import activate
     from of3_megafold.bench.attention_module import KIT, _step, _triangle
+    from of3_megafold.bench.common import wall_ms_per_call
 
     module, inputs, flags = _triangle(n, torch.device("cuda"))
     with torch.no_grad():
@@ -62,14 +62,8 @@ def profile_case(n: int, provider: str) -> str:
             for t in [*leaves, *module.parameters()]:
                 t.grad = None
 
-        for _ in range(3):  # warm-up: autotuning, compilation, allocator
-            call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(REPEATS):
-            call()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / REPEATS * 1e3
+        # warm-up: autotuning, compilation, allocator
+        wall = wall_ms_per_call(call, REPEATS, warmup=3)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(REPEATS):
                 call()

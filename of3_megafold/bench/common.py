@@ -209,6 +209,24 @@ def timed_peak(
     return Timing(ms=statistics.median(times), peak_mib=None)
 
 
+def wall_ms_per_call(fn: Callable[[], Any], calls: int, warmup: int = 3) -> float:
+    """Mean wall time (ms) of ``calls`` back-to-back calls of ``fn`` after ``warmup``
+    calls: the device is synchronised before and after the timed calls, not between
+    them, so host work that the GPU does not hide counts (the profiling scripts'
+    figure, next to the GPU time a profiler reports)."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / calls * 1e3
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is a CUDA allocation failure (recoverable: free and retry
     smaller)."""

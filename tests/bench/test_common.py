@@ -14,6 +14,7 @@ from of3_megafold.bench.common import (
     environment_metadata,
     read_rows,
     timed_peak,
+    wall_ms_per_call,
 )
 
 
@@ -88,6 +89,20 @@ def test_timed_peak_on_cpu_is_a_wall_clock_median():
     assert timing.ms > 0 and math.isfinite(timing.ms)
     assert timing.peak_mib is None
     assert len(calls) >= 4  # at least one warm-up call and three timed calls
+
+
+def test_wall_ms_per_call_is_the_mean_of_the_timed_calls():
+    import time
+
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = wall_ms_per_call(work, calls=5, warmup=2)
+    assert len(calls) == 7
+    assert 2.0 <= ms < 50.0  # each timed call sleeps 2 ms
 
 
 @pytest.mark.gpu
