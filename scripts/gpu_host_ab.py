@@ -1,8 +1,10 @@
-"""Host time of the kit's attention call: this checkout against an older commit's,
+"""Wall time of the kit's attention call: this checkout against an older commit's,
 in one process.
 
     python scripts/gpu_host_ab.py --prepare COMMIT   # here: writes .host-ab-old/
     python scripts/gpu_host_ab.py [OUT.txt]          # on the GPU (carry .host-ab-old)
+    python scripts/gpu_host_ab.py OUT.txt --shapes 1,1024,1024,4,32 1,48,768,16,48 \
+        --variants old,kit,of3-triton --calls 20 --kernels   # a kernel change
 
 At small triangle shapes (N = 256, 384) a forward + backward is bound by the host:
 launch and Python work, not the GPU. Host time varies by 10-20 % from one machine to
@@ -11,10 +13,13 @@ the next, so a change is only measured against its predecessor in the same proce
 (the package renamed, so both import side by side). The run then times forward +
 backward of both kits, their atomic variants, the new kit without
 :class:`~of3_megafold.kernels._launch.DirectLaunch`, SDPA and OF3's Triton kernel,
-interleaved over five rounds of 200 pipelined calls: the median and range of the
-wall time per call (``bench attention-core`` times the same calls with
+interleaved over five rounds of 200 pipelined calls (``--calls``): the median and
+range of the wall time per call (``bench attention-core`` times the same calls with
 ``triton.testing.do_bench``, which clears L2 before each; its host-bound figures
 differ from these).
+
+``--kernels`` adds, per shape and variant, the CUDA time of each kernel
+(``gpu_profile_kernels.py``'s profile), to tell which kernel a change moved.
 
 Diagnostic only: no JSON rows.
 """
@@ -32,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OLD = ROOT / ".host-ab-old"
 ROUNDS, CALLS, WARMUP = 5, 200, 10
+VARIANTS = ("old", "kit", "kit-nodirect", "old-atomic", "kit-atomic", "sdpa",
+            "of3-triton")
 
 
 def prepare(commit: str) -> None:
@@ -65,14 +72,15 @@ def _set_direct(on: bool) -> None:
             kernel._direct = kernel._ab_direct if on else None
 
 
-def _wall_ms(forward, inputs) -> float:
+def _wall_ms(forward, inputs, calls: int) -> float:
     from of3_megafold.bench.attention_core import _step
     from of3_megafold.bench.common import wall_ms_per_call
 
-    return wall_ms_per_call(_step(forward, *inputs), CALLS, warmup=WARMUP)
+    return wall_ms_per_call(_step(forward, *inputs), calls, warmup=WARMUP)
 
 
-def run(out: Path | None) -> None:
+def run(out: Path | None, shapes: list[tuple[int, ...]], names: list[str],
+        calls: int, kernels: bool) -> None:
     import torch
 
     sys.path.insert(0, str(OLD))
@@ -81,33 +89,45 @@ def run(out: Path | None) -> None:
     from of3_megafold.bench.attention_core import _forward_fn, _inputs
 
     old = (OLD / "COMMIT").read_text().strip()
-    variants = {  # name -> (forward, DirectLaunch on/off for the new kit, or None)
-        f"kit at {old}": (old_forward_fn("kit"), None),
-        "kit": (_forward_fn("kit"), True),
-        "kit without DirectLaunch": (_forward_fn("kit"), False),
-        f"kit-atomic at {old}": (old_forward_fn("kit-atomic"), None),
-        "kit-atomic": (_forward_fn("kit-atomic"), True),
-        "sdpa": (_forward_fn("sdpa"), None),
-        "of3-triton": (_forward_fn("of3-triton"), None),
+    every = {  # name -> (label, forward, DirectLaunch on/off for the new kit, or None)
+        "old": (f"kit at {old}", old_forward_fn("kit"), None),
+        "kit": ("kit", _forward_fn("kit"), True),
+        "kit-nodirect": ("kit without DirectLaunch", _forward_fn("kit"), False),
+        "old-atomic": (f"kit-atomic at {old}", old_forward_fn("kit-atomic"), None),
+        "kit-atomic": ("kit-atomic", _forward_fn("kit-atomic"), True),
+        "sdpa": ("sdpa", _forward_fn("sdpa"), None),
+        "of3-triton": ("of3-triton", _forward_fn("of3-triton"), None),
     }
+    variants = {every[name][0]: every[name][1:] for name in names}
     lines = []
-    for n in (256, 384):
-        inputs = _inputs((1, n, n, 4, 32), torch.device("cuda"), torch.bfloat16,
-                         torch.bfloat16)
+    for shape in shapes:
+        inputs = _inputs(shape, torch.device("cuda"), torch.bfloat16, torch.bfloat16)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(ROUNDS):
             for name, (forward, direct) in variants.items():
                 if direct is not None:
                     _set_direct(direct)
-                times[name].append(_wall_ms(forward, inputs))
+                times[name].append(_wall_ms(forward, inputs, calls))
         _set_direct(True)
-        lines.append(f"== triangle N={n}: wall ms per forward + backward, median of "
-                     f"{ROUNDS} interleaved rounds of {CALLS} calls (min-max)")
+        lines.append(f"== {shape}: wall ms per forward + backward, median of "
+                     f"{ROUNDS} interleaved rounds of {calls} calls (min-max)")
         lines += [
             f"   {name:36s} {statistics.median(t):6.3f}  ({min(t):.3f}-{max(t):.3f})"
             for name, t in times.items()
         ]
         print("\n".join(lines[-len(variants) - 1:]), flush=True)
+        if kernels:
+            from gpu_profile_kernels import _kernel_profile
+
+            from of3_megafold.bench.attention_core import _step
+
+            for name, (forward, direct) in variants.items():
+                if direct is not None:
+                    _set_direct(direct)
+                start = len(lines)
+                _kernel_profile(f"{shape} {name}", _step(forward, *inputs), lines)
+                print("\n".join(lines[start:]), flush=True)
+            _set_direct(True)
     if out is not None:
         out.write_text("\n".join(lines) + "\n")
 
@@ -117,11 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, nargs="?", help="text file for the report")
     parser.add_argument("--prepare", metavar="COMMIT",
                         help="copy the kit at COMMIT into .host-ab-old/ and stop")
+    parser.add_argument("--shapes", nargs="+", default=["1,256,256,4,32",
+                                                         "1,384,384,4,32"],
+                        help="B,S,N,H,D of each shape (default: triangle N=256, 384)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--calls", type=int, default=CALLS,
+                        help="pipelined calls per round")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the CUDA time per kernel of each variant")
     args = parser.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if args.prepare:
         prepare(args.prepare)
     else:
-        run(args.out)
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes]
+        run(args.out, shapes, names, args.calls, args.kernels)
     return 0
 
 

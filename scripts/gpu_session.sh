@@ -99,7 +99,8 @@ for spec in "$@"; do
             "$OUT/profile_module.txt" $extra ;;
         host) run host "${limit:-240}" python3 scripts/gpu_profile_kernels.py "$OUT/host.txt" --host ;;
         # this checkout against an older one in one process (carry .host-ab-old: --prepare)
-        host-ab) run host-ab "${limit:-200}" python3 scripts/gpu_host_ab.py "$OUT/host_ab.txt" ;;
+        # shellcheck disable=SC2086  # $extra: options for gpu_host_ab.py
+        host-ab) run "$name" "${limit:-200}" python3 scripts/gpu_host_ab.py "$OUT/$name.txt" $extra ;;
         launch-cost) run launch-cost "${limit:-150}" python3 scripts/gpu_launch_cost.py \
             "$OUT/launch_cost.txt" ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
