@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node P \\
         scripts/gpu_step_sp.py OUT.json [--provider kit] [--tokens 768,1280]
         [--repeats 2] [--warmup 1] [--num-recycles 1] [--replicate-diffusion]
-        [--config full|tiny] [--n-msa 1024] [--n-templ 4]
+        [--config full|tiny] [--n-msa 1024] [--n-templ 4] [--memory-windows 25]
 
 What ``scripts/gpu_step.py`` measures on one GPU, with the ``sequence_parallel``
 extension on over all P ranks (``sequence_parallel_size = P``: one group, no data
@@ -21,6 +21,13 @@ Per size, rank 0 appends one row to OUT.json:
   of the ``all_reduce`` (one fp32 copy of the gradients, 1.4 GiB for the full model)
   comes after the activations are freed and is not in it;
 - the loss breakdown (averaged over the group by the extension).
+
+``--memory-windows K``: after the timed steps of a size, one more step with
+:class:`~of3_megafold.bench.memory_windows.MemoryWindows` on every rank (model and
+loss modules to depth 3); each rank writes the K windows with the highest peaks to
+``OUT.memory-<tokens>-rank<r>.txt``: where in the step the peak memory sits, which
+the sharded pairformer does not show by itself. With ``--nproc_per_node 1`` the same
+report comes from one unsharded GPU.
 
 A size that does not fit ends the run. The rank that ran out of memory exits with
 status 3, and the launcher stops the others, which would otherwise wait in a
@@ -68,6 +75,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="every rank runs all diffusion samples (default: split them)",
     )
     parser.add_argument("--config", default="full", help="'full', or 'tiny' on CPU")
+    parser.add_argument(
+        "--memory-windows",
+        type=int,
+        default=0,
+        metavar="K",
+        help="one more step per size with the memory-window recorder; the top K "
+        "windows per rank to OUT.memory-<tokens>-rank<r>.txt (0: off)",
+    )
     return parser.parse_args(argv)
 
 
@@ -109,6 +124,25 @@ def _gathered(value: float, dist, device) -> list[float]:
     return [float(v) for v in every]
 
 
+def _memory_windows(harness, batch, count: int, path: Path) -> None:
+    """One more step with the memory-window recorder; its top ``count`` windows to
+    ``path`` (off CUDA every peak reads 0: a dry run of the hooks)."""
+    import torch
+
+    from of3_megafold.bench.memory_windows import MemoryWindows
+
+    cuda = harness.device.type == "cuda"
+    recorder = MemoryWindows(
+        {"": harness.model, "loss": harness.loss_fn},
+        peak_and_reset=None if cuda else (lambda: 0),
+    )
+    if cuda:
+        torch.cuda.synchronize(harness.device)
+    with recorder.recording():
+        harness.step(batch)  # its own peak figure is void here: the recorder resets
+    path.write_text("\n".join(recorder.report(count)) + "\n")
+
+
 def _measure(harness, args, n_token: int, dist) -> dict:
     """Warm-up and timed steps at ``n_token`` tokens; the row's fields."""
 
@@ -125,6 +159,13 @@ def _measure(harness, args, n_token: int, dist) -> dict:
             if index >= args.warmup:
                 times.append(ms)
                 results.append(result)
+        if args.memory_windows:
+            stem = args.out_json.with_suffix("")
+            _memory_windows(
+                harness, batch, args.memory_windows,
+                stem.with_name(f"{stem.name}.memory-{n_token}-rank{dist.get_rank()}.txt"),
+            )
+            harness.model.zero_grad(set_to_none=True)
     except Exception as error:
         if not is_out_of_memory(error):
             raise

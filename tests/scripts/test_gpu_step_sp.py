@@ -45,3 +45,16 @@ def test_replicated_diffusion_is_recorded(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["split_diffusion"] is False
+
+
+def test_memory_windows_report_per_rank(tmp_path):
+    out = tmp_path / "step_sp.json"
+    done = _launch(out, "--tokens", "9", "--memory-windows", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        lines = (tmp_path / f"step_sp.memory-9-rank{rank}.txt").read_text().splitlines()
+        assert lines[0].startswith("peak 0.00 GiB over ")  # no CUDA allocator here
+        assert len(lines) == 6
+        # the sharded pairformer's blocks and the loss module fired their hooks
+        windows = int(lines[0].split(" over ")[1].split()[0])
+        assert windows > 50

@@ -1,0 +1,123 @@
+"""Where a training step reaches its peak memory: peaks between module events.
+
+A :class:`MemoryWindows` recorder hooks the forward of every submodule down to a
+given depth. Each hook call is an *event* (entering or leaving a module); at every
+event the recorder reads the allocator's peak since the previous event and resets
+it. So each *window* between two consecutive events gets its own peak, and the step's
+peak lies in one window, named by the events around it.
+
+Backward passes are covered where OF3 checkpoints: a checkpointed block's backward
+calls its forward again (the recompute), so its hooks fire inside the backward, and
+the block's gradient work falls in the window its recompute opens (torch's
+non-reentrant checkpoint recomputes when the first saved tensor is needed and stops
+once it has them all, so the recompute's ``leave`` event may not fire). Elsewhere a
+backward window is named by the recompute events around it, or by the last forward
+event (hook the loss module too: then the first backward window opens at
+``leave loss``).
+
+A window's ``phase`` is ``forward``, ``backward``, or ``forward->backward`` for the
+one that spans the start of the backward pass (an event's phase is read at the
+event: inside autograd's backward or not).
+
+Diagnostic only (``scripts/gpu_profile_step.py --memory``): no benchmark rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 1024**3
+
+
+@dataclass
+class Window:
+    """The stretch between two events and its peak allocated bytes."""
+
+    after: str  # the event that opened it, e.g. "enter pairformer_stack.blocks.3"
+    before: str  # the event that closed it
+    phase: str  # "forward", "backward" or "forward->backward" (see the module doc)
+    peak: int
+
+
+@dataclass
+class MemoryWindows:
+    """Records per-window peaks of a model's forward and backward.
+
+    Args:
+        modules: Name prefix -> module whose submodules (and itself) are hooked, e.g.
+            ``{"": model, "loss": loss_fn}``.
+        depth: Deepest qualified-name level hooked below a prefix
+            (``pairformer_stack.blocks.3`` is depth 3); containers that are never
+            called (``ModuleList``) fire nothing.
+        peak_and_reset: Returns the peak allocated bytes since the last call and
+            resets it; default: the current CUDA device's allocator.
+    """
+
+    modules: dict[str, torch.nn.Module]
+    depth: int = 3
+    peak_and_reset: Callable[[], int] | None = None
+    windows: list[Window] = field(default_factory=list)
+    _last: tuple[str, str] = ("start", "forward")
+
+    def _read(self) -> int:
+        if self.peak_and_reset is not None:
+            return self.peak_and_reset()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
+    def _event(self, label: str, phase: str | None = None) -> None:
+        peak = self._read()
+        phase = phase or _phase()
+        opened = self._last[1]
+        span = opened if opened == phase else f"{opened}->{phase}"
+        self.windows.append(Window(self._last[0], label, span, peak))
+        self._last = (label, phase)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[MemoryWindows]:
+        """Hooks in place for the ``with`` body; the body's windows are appended."""
+        handles = []
+        for prefix, root in self.modules.items():
+            for name, module in root.named_modules():
+                if name.count(".") + 1 > self.depth:
+                    continue
+                name = ".".join(part for part in (prefix, name) if part) or "model"
+                handles.append(module.register_forward_pre_hook(
+                    lambda _m, _a, name=name: self._event(f"enter {name}")))
+                handles.append(module.register_forward_hook(
+                    lambda _m, _a, _o, name=name: self._event(f"leave {name}")))
+        self._read()
+        self._last = ("start", "forward")
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            # the body's last window ends in the phase its last event opened it in
+            self._event("end", phase=self._last[1])
+
+    def top(self, count: int = 15) -> list[Window]:
+        """The ``count`` windows with the highest peaks, highest first."""
+        return sorted(self.windows, key=lambda w: -w.peak)[:count]
+
+    def report(self, count: int = 15) -> list[str]:
+        """Text lines: the overall peak, then the top windows."""
+        if not self.windows:
+            return ["no windows recorded"]
+        lines = [f"peak {max(w.peak for w in self.windows) / GIB:.2f} GiB over "
+                 f"{len(self.windows)} windows; the highest:"]
+        lines += [f"  {w.peak / GIB:7.2f} GiB  {w.phase:8s} after {w.after}, "
+                  f"before {w.before}" for w in self.top(count)]
+        return lines
+
+
+def _phase() -> str:
+    """``backward`` while autograd runs a backward pass (e.g. a checkpoint's
+    recompute), else ``forward``."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return "backward" if task is not None and task() != -1 else "forward"
