@@ -4,6 +4,7 @@
         scripts/gpu_step_sp.py OUT.json [--provider kit] [--tokens 768,1280]
         [--repeats 2] [--warmup 1] [--num-recycles 1] [--replicate-diffusion]
         [--config full|tiny] [--n-msa 1024] [--n-templ 4] [--memory-windows 25]
+        [--memory-depth 5]
 
 What ``scripts/gpu_step.py`` measures on one GPU, with the ``sequence_parallel``
 extension on over all P ranks (``sequence_parallel_size = P``: one group, no data
@@ -24,10 +25,11 @@ Per size, rank 0 appends one row to OUT.json:
 
 ``--memory-windows K``: after the timed steps of a size, one more step with
 :class:`~of3_megafold.bench.memory_windows.MemoryWindows` on every rank (model and
-loss modules to depth 3); each rank writes the K windows with the highest peaks to
-``OUT.memory-<tokens>-rank<r>.txt``: where in the step the peak memory sits, which
-the sharded pairformer does not show by itself. With ``--nproc_per_node 1`` the same
-report comes from one unsharded GPU.
+loss modules to ``--memory-depth``, default 5: deep enough for the blocks of the
+diffusion transformer and the confidence head's pairformer); each rank writes the K
+windows with the highest peaks to ``OUT.memory-<tokens>-rank<r>.txt``: where in the
+step the peak memory sits, which the sharded pairformer does not show by itself.
+With ``--nproc_per_node 1`` the same report comes from one unsharded GPU.
 
 A size that does not fit ends the run. The rank that ran out of memory exits with
 status 3, and the launcher stops the others, which would otherwise wait in a
@@ -83,6 +85,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="one more step per size with the memory-window recorder; the top K "
         "windows per rank to OUT.memory-<tokens>-rank<r>.txt (0: off)",
     )
+    parser.add_argument(
+        "--memory-depth",
+        type=int,
+        default=5,
+        help="deepest module-name level the recorder hooks",
+    )
     return parser.parse_args(argv)
 
 
@@ -124,7 +132,7 @@ def _gathered(value: float, dist, device) -> list[float]:
     return [float(v) for v in every]
 
 
-def _memory_windows(harness, batch, count: int, path: Path) -> None:
+def _memory_windows(harness, batch, count: int, depth: int, path: Path) -> None:
     """One more step with the memory-window recorder; its top ``count`` windows to
     ``path`` (off CUDA every peak reads 0: a dry run of the hooks)."""
     import torch
@@ -134,6 +142,7 @@ def _memory_windows(harness, batch, count: int, path: Path) -> None:
     cuda = harness.device.type == "cuda"
     recorder = MemoryWindows(
         {"": harness.model, "loss": harness.loss_fn},
+        depth=depth,
         peak_and_reset=None if cuda else (lambda: 0),
     )
     if cuda:
@@ -162,7 +171,7 @@ def _measure(harness, args, n_token: int, dist) -> dict:
         if args.memory_windows:
             stem = args.out_json.with_suffix("")
             _memory_windows(
-                harness, batch, args.memory_windows,
+                harness, batch, args.memory_windows, args.memory_depth,
                 stem.with_name(f"{stem.name}.memory-{n_token}-rank{dist.get_rank()}.txt"),
             )
             harness.model.zero_grad(set_to_none=True)
