@@ -46,7 +46,7 @@ FLAGS = {  # constexpr flags of a triangle-attention call (OF3's training path)
     "PRECISION": 0, "COMPUTE_DQ": True, "STORE_DS": False, "FUSE_DQ": False,
     "EVEN_N": True, "COL_MASK": True,
 }
-SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)")
+SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)")
 
 
 def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
