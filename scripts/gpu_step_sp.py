@@ -135,18 +135,13 @@ def _gathered(value: float, dist, device) -> list[float]:
 def _memory_windows(harness, batch, count: int, depth: int, path: Path) -> None:
     """One more step with the memory-window recorder; its top ``count`` windows to
     ``path`` (off CUDA every peak reads 0: a dry run of the hooks)."""
-    import torch
-
     from of3_megafold.bench.memory_windows import MemoryWindows
 
-    cuda = harness.device.type == "cuda"
     recorder = MemoryWindows(
         {"": harness.model, "loss": harness.loss_fn},
         depth=depth,
-        peak_and_reset=None if cuda else (lambda: 0),
+        peak_and_reset=None if harness.device.type == "cuda" else (lambda: 0),
     )
-    if cuda:
-        torch.cuda.synchronize(harness.device)
     with recorder.recording():
         harness.step(batch)  # its own peak figure is void here: the recorder resets
     path.write_text("\n".join(recorder.report(count)) + "\n")
@@ -169,11 +164,9 @@ def _measure(harness, args, n_token: int, dist) -> dict:
                 times.append(ms)
                 results.append(result)
         if args.memory_windows:
-            stem = args.out_json.with_suffix("")
-            _memory_windows(
-                harness, batch, args.memory_windows, args.memory_depth,
-                stem.with_name(f"{stem.name}.memory-{n_token}-rank{dist.get_rank()}.txt"),
-            )
+            name = f"{args.out_json.stem}.memory-{n_token}-rank{dist.get_rank()}.txt"
+            _memory_windows(harness, batch, args.memory_windows, args.memory_depth,
+                            args.out_json.with_name(name))
             harness.model.zero_grad(set_to_none=True)
     except Exception as error:
         if not is_out_of_memory(error):

@@ -80,17 +80,18 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from of3_megafold.kernels.evoflash.configs import d_block
+
     module, function = KERNELS[name]
     kernel = getattr(
         importlib.import_module(f"of3_megafold.kernels.evoflash.{module}"), function)
     names = [p.name for p in kernel.params]
     constexprs = {key: value for key, value in FLAGS.items() if key in names}
-    constexprs.update(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_D=head_dim,
-                      PAD_D=head_dim & (head_dim - 1) != 0)
+    block_d = d_block(head_dim)  # as the launcher pads it
+    constexprs.update(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_D=block_d,
+                      PAD_D=block_d != head_dim)
     if "S_GROUP" in names:
         constexprs["S_GROUP"] = s_group
-    if constexprs["PAD_D"]:
-        constexprs["BLOCK_D"] = triton.next_power_of_2(head_dim)
     source = ASTSource(kernel, _signature(kernel, dtype, constexprs),
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),

@@ -19,7 +19,7 @@ A window's ``phase`` is ``forward``, ``backward``, or ``forward->backward`` for 
 one that spans the start of the backward pass (an event's phase is read at the
 event: inside autograd's backward or not).
 
-Diagnostic only (``scripts/gpu_profile_step.py --memory``): no benchmark rows.
+Diagnostic only (``scripts/gpu_step_sp.py --memory-windows``): no benchmark rows.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class MemoryWindows:
     depth: int = 3
     peak_and_reset: Callable[[], int] | None = None
     windows: list[Window] = field(default_factory=list)
-    _last: tuple[str, str] = ("start", "forward")
+    _last: tuple[str, str] = field(default=("start", "forward"), init=False,
+                                   repr=False)  # (label, phase) of the last event
 
     def _read(self) -> int:
         if self.peak_and_reset is not None:

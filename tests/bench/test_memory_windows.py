@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -63,11 +64,16 @@ class _Model(torch.nn.Module):
         return self.blocks[2](x)
 
 
-def test_windows_name_the_forward_and_backward_peaks():
+@pytest.fixture
+def model_and_recorder():
     peak = _Peak()
     model = _Model(peak)
-    recorder = MemoryWindows({"": model}, depth=2,
-                             peak_and_reset=peak.read_and_reset)
+    return model, MemoryWindows({"": model}, depth=2,
+                                peak_and_reset=peak.read_and_reset)
+
+
+def test_windows_name_the_forward_and_backward_peaks(model_and_recorder):
+    model, recorder = model_and_recorder
     with recorder.recording():
         model(torch.randn(3, 4, requires_grad=True)).sum().backward()
 
@@ -76,9 +82,9 @@ def test_windows_name_the_forward_and_backward_peaks():
     assert top_forward.peak == 3 * GIB
     assert top_forward.after == "enter blocks.1"
     # The checkpointed block's recompute fires its hooks inside the backward, and
-    # its gradient work lands in the window the recompute opens
-    # (torch's non-reentrant checkpoint stops the recompute once it has what the
-    # backward needs, so the recompute's "leave" need not fire.)
+    # its gradient work lands in the window the recompute opens (torch's
+    # non-reentrant checkpoint stops the recompute once it has what the backward
+    # needs, so the recompute's "leave" need not fire).
     top = recorder.top(1)[0]
     assert (top.peak, top.phase, top.after) == (7 * GIB, "backward", "enter blocks.1")
     # one window spans the end of the forward and the start of the backward
@@ -87,11 +93,8 @@ def test_windows_name_the_forward_and_backward_peaks():
     assert recorder.windows[-1].phase == "backward"
 
 
-def test_report_lists_the_highest_windows_first():
-    peak = _Peak()
-    model = _Model(peak)
-    recorder = MemoryWindows({"": model}, depth=2,
-                             peak_and_reset=peak.read_and_reset)
+def test_report_lists_the_highest_windows_first(model_and_recorder):
+    model, recorder = model_and_recorder
     with recorder.recording():
         model(torch.randn(3, 4))
     lines = recorder.report(count=2)
@@ -101,11 +104,8 @@ def test_report_lists_the_highest_windows_first():
         f"after {w.after}, before {w.before}" for w in recorder.windows)
 
 
-def test_hooks_are_removed_after_recording():
-    peak = _Peak()
-    model = _Model(peak)
-    recorder = MemoryWindows({"": model}, depth=2,
-                             peak_and_reset=peak.read_and_reset)
+def test_hooks_are_removed_after_recording(model_and_recorder):
+    model, recorder = model_and_recorder
     with recorder.recording():
         pass
     before = len(recorder.windows)

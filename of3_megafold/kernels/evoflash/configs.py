@@ -103,6 +103,12 @@ INTERPRETER_CONFIGS = {
 }
 
 
+def d_block(d: int) -> int:
+    """``BLOCK_D`` of head dim ``d``: the next power of two, at least 16 (the depth
+    of a 16-bit tensor-core dot); smaller head dims are zero padded."""
+    return max(16, next_power_of_2(d))
+
+
 def n_bucket(n: int) -> int:
     """Sequence-length bucket of the autotuning key: the next power of two."""
     return next_power_of_2(max(n, 16))

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .._launch import TunedKernel
-from ..backend import cdiv, multiprocessors, next_power_of_2, runs_on
+from ..backend import cdiv, multiprocessors, runs_on
 from . import configs, tuned
 from ._bwd import (
     _evoflash_bwd_dbias_kernel,
@@ -179,7 +179,7 @@ class _Inputs:
             N_BUCKET=configs.n_bucket(self.N), S_BUCKET=configs.s_bucket(self.S),
             HAS_MASK=self.mask is not None,
             PRECISION=_precision(high_precision),
-            BLOCK_D=max(16, next_power_of_2(self.D)),
+            BLOCK_D=configs.d_block(self.D),
         )
 
     def bias_args(self) -> dict:
@@ -276,7 +276,7 @@ def evoflash_bwd(
     delta = torch.empty_like(lse)
     sob, sos, son, soh = _strides(o)
     sdb, sds, sdn, sdh = _strides(do)
-    block_d = max(16, next_power_of_2(D))
+    block_d = configs.d_block(D)
     pre_block = 64 if block_d <= 64 else 32
     gated = gate is not None
     do_in = do
