@@ -18,10 +18,6 @@ range of the wall time per call (``bench attention-core`` times the same calls w
 ``triton.testing.do_bench``, which clears L2 before each; its host-bound figures
 differ from these).
 
-``kit-exp2polyK`` is the kit with ``configs.EXP2_POLY_16BIT = K`` (how many of a
-16-bit tile's exponentials run as a polynomial on the FMA pipe: 0 none, 1 half,
-2 all), to compare the settings of that knob in one process.
-
 ``--kernels`` adds, per shape and variant, the CUDA time of each kernel
 (``gpu_profile_kernels.py``'s profile), to tell which kernel a change moved.
 
@@ -42,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OLD = ROOT / ".host-ab-old"
 ROUNDS, CALLS, WARMUP = 5, 200, 10
 VARIANTS = ("old", "kit", "kit-nodirect", "old-atomic", "kit-atomic", "sdpa",
-            "of3-triton", "kit-exp2poly0", "kit-exp2poly1", "kit-exp2poly2")
+            "of3-triton")
 
 
 def prepare(commit: str) -> None:
@@ -62,17 +58,6 @@ def prepare(commit: str) -> None:
             path.write_bytes(data)
     (OLD / "COMMIT").write_text(commit + "\n")
     print(f"wrote {target} ({commit})")
-
-
-def _setup(direct: bool, exp2_poly: int | None = None) -> None:
-    """Before timing a variant of this checkout's kit: DirectLaunch on or off and
-    ``EXP2_POLY_16BIT`` (the shipped value when None)."""
-    from of3_megafold.kernels.evoflash import configs
-
-    if not hasattr(configs, "_ab_exp2_poly"):
-        configs._ab_exp2_poly = configs.EXP2_POLY_16BIT
-    configs.EXP2_POLY_16BIT = configs._ab_exp2_poly if exp2_poly is None else exp2_poly
-    _set_direct(direct)
 
 
 def _set_direct(on: bool) -> None:
@@ -104,22 +89,14 @@ def run(out: Path | None, shapes: list[tuple[int, ...]], names: list[str],
     from of3_megafold.bench.attention_core import _forward_fn, _inputs
 
     old = (OLD / "COMMIT").read_text().strip()
-    def new(direct: bool, exp2_poly: int | None = None):
-        return lambda: _setup(direct, exp2_poly)
-
-    def nothing():
-        return None
-
-    every = {  # name -> (label, forward, setup before timing it)
-        "old": (f"kit at {old}", old_forward_fn("kit"), nothing),
-        "kit": ("kit", _forward_fn("kit"), new(True)),
-        "kit-nodirect": ("kit without DirectLaunch", _forward_fn("kit"), new(False)),
-        "old-atomic": (f"kit-atomic at {old}", old_forward_fn("kit-atomic"), nothing),
-        "kit-atomic": ("kit-atomic", _forward_fn("kit-atomic"), new(True)),
-        "sdpa": ("sdpa", _forward_fn("sdpa"), nothing),
-        "of3-triton": ("of3-triton", _forward_fn("of3-triton"), nothing),
-        **{f"kit-exp2poly{k}": (f"kit, EXP2_POLY_16BIT={k}", _forward_fn("kit"),
-                                new(True, k)) for k in (0, 1, 2)},
+    every = {  # name -> (label, forward, DirectLaunch on/off for the new kit, or None)
+        "old": (f"kit at {old}", old_forward_fn("kit"), None),
+        "kit": ("kit", _forward_fn("kit"), True),
+        "kit-nodirect": ("kit without DirectLaunch", _forward_fn("kit"), False),
+        "old-atomic": (f"kit-atomic at {old}", old_forward_fn("kit-atomic"), None),
+        "kit-atomic": ("kit-atomic", _forward_fn("kit-atomic"), True),
+        "sdpa": ("sdpa", _forward_fn("sdpa"), None),
+        "of3-triton": ("of3-triton", _forward_fn("of3-triton"), None),
     }
     variants = {every[name][0]: every[name][1:] for name in names}
     lines = []
@@ -127,10 +104,11 @@ def run(out: Path | None, shapes: list[tuple[int, ...]], names: list[str],
         inputs = _inputs(shape, torch.device("cuda"), torch.bfloat16, torch.bfloat16)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(ROUNDS):
-            for name, (forward, setup) in variants.items():
-                setup()
+            for name, (forward, direct) in variants.items():
+                if direct is not None:
+                    _set_direct(direct)
                 times[name].append(_wall_ms(forward, inputs, calls))
-        _setup(True)
+        _set_direct(True)
         lines.append(f"== {shape}: wall ms per forward + backward, median of "
                      f"{ROUNDS} interleaved rounds of {calls} calls (min-max)")
         lines += [
@@ -143,12 +121,13 @@ def run(out: Path | None, shapes: list[tuple[int, ...]], names: list[str],
 
             from of3_megafold.bench.attention_core import _step
 
-            for name, (forward, setup) in variants.items():
-                setup()
+            for name, (forward, direct) in variants.items():
+                if direct is not None:
+                    _set_direct(direct)
                 start = len(lines)
                 _kernel_profile(f"{shape} {name}", _step(forward, *inputs), lines)
                 print("\n".join(lines[start:]), flush=True)
-            _setup(True)
+            _set_direct(True)
     if out is not None:
         out.write_text("\n".join(lines) + "\n")
 

@@ -43,8 +43,8 @@ FP32_POINTERS = {"LSE", "RSCALE", "DELTA", "DQ_ACC", "DBIAS_PART"}
 INT_POINTERS = {"RFLAG"}
 FLAGS = {  # constexpr flags of a triangle-attention call (OF3's training path)
     "HAS_MASK": True, "HAS_BIAS": True, "BIAS_PER_S": False, "GATED": False,
-    "PRECISION": 0, "EXP2_POLY": 0, "COMPUTE_DQ": True, "STORE_DS": False,
-    "FUSE_DQ": False, "EVEN_N": True, "COL_MASK": True,
+    "PRECISION": 0, "COMPUTE_DQ": True, "STORE_DS": False, "FUSE_DQ": False,
+    "EVEN_N": True, "COL_MASK": True,
 }
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)")
 
@@ -72,7 +72,7 @@ def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
 
 
 def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
-                   stages: int, head_dim: int, dtype: str, exp2_poly: int = 0) -> dict:
+                   stages: int, head_dim: int, dtype: str) -> dict:
     """Compile ``name`` for sm_90a; the report's fields (see the module doc)."""
     import importlib
 
@@ -89,7 +89,7 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
     constexprs = {key: value for key, value in FLAGS.items() if key in names}
     block_d = d_block(head_dim)  # as the launcher pads it
     constexprs.update(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_D=block_d,
-                      PAD_D=block_d != head_dim, EXP2_POLY=exp2_poly)
+                      PAD_D=block_d != head_dim)
     if "S_GROUP" in names:
         constexprs["S_GROUP"] = s_group
     source = ASTSource(kernel, _signature(kernel, dtype, constexprs),
@@ -100,7 +100,6 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
     report = {
         "kernel": name, "block": list(block), "s_group": s_group, "warps": warps,
         "stages": stages, "head_dim": head_dim, "dtype": dtype,
-        "exp2_poly": exp2_poly,
         "triton": triton.__version__,
         "convert_layout": [
             line.strip().split(" loc(")[0]
@@ -158,19 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--exp2-poly", type=int, default=0, choices=(0, 1, 2),
-                        help="EXP2_POLY: exponentials by polynomial (configs)")
     parser.add_argument("--json", action="store_true", help="the whole report as JSON")
     args = parser.parse_args(argv)
     report = compile_kernel(args.kernel, tuple(args.block), args.s_group, args.warps,
-                            args.stages, args.head_dim, args.dtype, args.exp2_poly)
+                            args.stages, args.head_dim, args.dtype)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{report['kernel']} {report['block']} S_GROUP {report['s_group']}, "
           f"{report['warps']} warps, {report['stages']} stages, "
-          f"D {report['head_dim']}, {report['dtype']}, EXP2_POLY "
-          f"{report['exp2_poly']} "
+          f"D {report['head_dim']}, {report['dtype']} "
           f"(Triton {report['triton']}, sm_90a)")
     print(f"registers {report['registers']}, spills {report['spill_store_bytes']} B, "
           f"{report['sass_instructions']} SASS instructions")

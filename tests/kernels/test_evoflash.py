@@ -13,12 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from of3_megafold.kernels.backend import cuda_tf32
 from of3_megafold.kernels.evoflash import (
-    _tiles,
     configs,
     evoflash_attention,
     evoflash_attention_packed,
@@ -263,45 +260,6 @@ def test_one_slice_per_program(device, monkeypatch):
             m["S_GROUP"] == 1 and (m["BLOCK_M"], m["BLOCK_N"]) == (32, 16)
             for m in launched
         ), (name, launched)
-
-
-@triton.jit
-def _exp2_probe_kernel(X, OUT, EXP2_POLY: tl.constexpr):
-    offs = tl.arange(0, 16)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.store(OUT + offs, _tiles._exp2(tl.load(X + offs), EXP2_POLY))
-
-
-@pytest.mark.parametrize("exp2_poly", [0, 1, 2])
-def test_exp2_shares(device, exp2_poly):
-    """The kernels' ``2^x``, with none, half or all of a tile on the polynomial:
-    relative error <= 1e-4 (the polynomial's 7.5e-5, the unit's ~1e-7) where ``x >=
-    -125``, in ``[0, 2^-125]`` below (masked logits, ``-inf``); in the halves split,
-    odd columns take the polynomial."""
-    x = torch.linspace(-140.0, 0.25, 16 * 32, dtype=torch.float64)
-    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
-    x[:4] = torch.tensor([0.0, -125.0, -1e9, float("-inf")], dtype=torch.float64)
-    out = torch.empty(16 * 32, dtype=torch.float32, device=device)
-    _exp2_probe_kernel[(1,)](x.float().to(device), out, exp2_poly)
-    got, want = out.double().cpu(), torch.exp2(x.float().double())
-    normal = x >= -125
-    rel = ((got - want).abs() / want)[normal]
-    assert rel.max() <= 1e-4, rel.max()
-    assert (got[~normal] >= 0).all() and got[~normal].max() <= 2.0**-125
-    odd = torch.zeros(16, 32, dtype=torch.bool)
-    odd[:, 1::2] = True
-    poly = odd.flatten() if exp2_poly == 1 else torch.full_like(normal, exp2_poly == 2)
-    poly_rel = ((got - want).abs() / want)[normal & poly]
-    if exp2_poly:  # the polynomial's error is seen, not the unit's
-        assert 1e-6 < poly_rel.max() <= 1e-4
-
-
-@pytest.mark.parametrize("exp2_poly", [0, 2])
-def test_exp2_poly_settings(device, monkeypatch, exp2_poly):
-    """The whole op with no and with every exponential on the polynomial (the
-    other cases run the shipped share)."""
-    monkeypatch.setattr(configs, "EXP2_POLY_16BIT", exp2_poly)
-    check_case(Case(1, 3, 17, 2, 24, torch.bfloat16), device, seed=11)
-    check_case(Case(1, 2, 33, 2, 16, torch.float16, bias="per_s"), device, seed=12)
 
 
 def fp32_tol(atol: float, rtol: float) -> dict:

@@ -34,7 +34,6 @@ from ._tiles import (
     LOG2E,
     _cast,
     _dot,
-    _exp2,
     _load_bias,
     _load_key_mask,
     _load_rowstat,
@@ -102,7 +101,7 @@ def _dkdv_query_block(
     Q_row, DO_row, LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D,
     stride_qn, stride_don, sm_scale,
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
-    PAD_D: tl.constexpr, PRECISION: tl.constexpr, EXP2_POLY: tl.constexpr,
+    PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dK/dV of one key block and one S slice, from the query block ``offs_m``.
     Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
@@ -123,7 +122,7 @@ def _dkdv_query_block(
         s_t += bias_t
     if COL_MASK:
         s_t += key_mask[:, None]
-    p_t = _exp2(s_t * LOG2E - lse[None, :], EXP2_POLY)
+    p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION)
     ds_t = p_t * (dp_t * r[None, :] - delta[None, :])
     dk = _dot(_cast(ds_t, q.dtype), q, dk, PRECISION)
@@ -147,7 +146,7 @@ def _evoflash_bwd_dkdv_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    PRECISION: tl.constexpr, EXP2_POLY: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -204,7 +203,7 @@ def _evoflash_bwd_dkdv_kernel(
             _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
             _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
             stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-            PRECISION, EXP2_POLY)
+            PRECISION)
         if S_GROUP == 2:
             if BIAS_PER_S:
                 bias_t = _load_bias(BIAS_T, b, s1, h, offs_n, offs_m, N, stride_bb,
@@ -215,7 +214,7 @@ def _evoflash_bwd_dkdv_kernel(
                 _stat_ptr(RSCALE, b, s1, h, S, H, N),
                 _stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
                 stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                PRECISION, EXP2_POLY)
+                PRECISION)
 
     g_ptrs = offs_n[:, None] * stride_gn + offs_d[None, :]
     g_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
@@ -238,7 +237,6 @@ def _ds_block(
     stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
-    EXP2_POLY: tl.constexpr,
 ):
     """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice."""
     v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
@@ -250,7 +248,7 @@ def _ds_block(
         key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb, stride_ms,
                                   stride_mn, HAS_MASK, EVEN_N)
         s += key_mask[None, :]
-    p = _exp2(s * LOG2E - lse[:, None], EXP2_POLY)
+    p = tl.math.exp2(s * LOG2E - lse[:, None])
     dp = _dot(do, v_t, None, PRECISION)
     return p * (dp * r[:, None] - delta[:, None])
 
@@ -263,14 +261,14 @@ def _dq_key_block(
     sm_scale, n_rows,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
-    EXP2_POLY: tl.constexpr, COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
+    COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
     ds = _ds_block(q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s, offs_n,
                    offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
                    sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                   PRECISION, EXP2_POLY)
+                   PRECISION)
     if STORE_DS:
         db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
         inside = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
@@ -295,7 +293,7 @@ def _evoflash_bwd_dq_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    PRECISION: tl.constexpr, EXP2_POLY: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
@@ -358,7 +356,7 @@ def _evoflash_bwd_dq_kernel(
             dq0, q0, do0, lse0, r0, delta0, bias, K0, V0, MASK, DB0, b, s0,
             offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb, stride_ms,
             stride_mn, stride_dbi, sm_scale, N, HAS_MASK, HAS_BIAS,
-            COL_MASK, EVEN_N, PAD_D, PRECISION, EXP2_POLY, COMPUTE_DQ, STORE_DS)
+            COL_MASK, EVEN_N, PAD_D, PRECISION, COMPUTE_DQ, STORE_DS)
         if S_GROUP == 2:
             if BIAS_PER_S:
                 bias = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N,
@@ -370,7 +368,7 @@ def _evoflash_bwd_dq_kernel(
                 stride_ms, stride_mn, stride_dbi, sm_scale,
                 tl.where(s0 + 1 < S, N, 0),
                 HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION,
-                EXP2_POLY, COMPUTE_DQ, STORE_DS)
+                COMPUTE_DQ, STORE_DS)
 
     if COMPUTE_DQ:
         g_ptrs = offs_m[:, None] * stride_gn + offs_d[None, :]
@@ -398,8 +396,8 @@ def _evoflash_bwd_dbias_kernel(
     stride_dbp, stride_dbb, stride_dbh, stride_dbi,
     B, S, N, H, D, S_CHUNK,
     N_BUCKET, S_BUCKET,  # autotuning key only
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, EXP2_POLY: tl.constexpr,
-    BLOCK_D: tl.constexpr, FUSE_DQ: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -446,7 +444,7 @@ def _evoflash_bwd_dbias_kernel(
                        _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
                        b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
                        stride_mn, sm_scale, HAS_MASK, True, COL_MASK, EVEN_N,
-                       PAD_D, PRECISION, EXP2_POLY)
+                       PAD_D, PRECISION)
         dbias += ds
         if FUSE_DQ:
             dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, PRECISION)

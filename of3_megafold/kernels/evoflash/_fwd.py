@@ -24,7 +24,6 @@ from ._tiles import (
     LOG2E,
     _cast,
     _dot,
-    _exp2,
     _load_bias,
     _load_key_mask,
     _load_tile,
@@ -40,7 +39,6 @@ def _fwd_key_block(
     stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
-    EXP2_POLY: tl.constexpr,
 ):
     """One online-softmax step of one S slice over the key block ``offs_n``."""
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
@@ -55,7 +53,7 @@ def _fwd_key_block(
                                   stride_mn, HAS_MASK, EVEN_N)
         s += key_mask[None, :]
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = _exp2(s * LOG2E - (m_new * LOG2E)[:, None], EXP2_POLY)
+    p = tl.math.exp2(s * LOG2E - (m_new * LOG2E)[:, None])
     alpha = tl.math.exp2((m_i - m_new) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], PRECISION)
@@ -101,9 +99,8 @@ def _evoflash_fwd_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    GATED: tl.constexpr, PRECISION: tl.constexpr, EXP2_POLY: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    S_GROUP: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
     tl.static_assert(S_GROUP <= 2)  # one or two S slices per program
@@ -152,7 +149,7 @@ def _evoflash_fwd_kernel(
         acc0, m0, l0 = _fwd_key_block(
             acc0, m0, l0, q0, bias, K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
             stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
-            HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION, EXP2_POLY)
+            HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION)
         if S_GROUP == 2:
             if BIAS_PER_S:
                 bias = _load_bias(BIAS, b, s1, h, offs_m, offs_n, N,
@@ -162,7 +159,7 @@ def _evoflash_fwd_kernel(
                 acc1, m1, l1, q1, bias, K1, V1, MASK, b, s1, offs_n, offs_d, N,
                 D, stride_kn, stride_vn, stride_mb, stride_ms, stride_mn,
                 sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                PRECISION, EXP2_POLY)
+                PRECISION)
 
     _fwd_store(acc0, m0, l0,
                _row_ptr(OUT, b, s0, h, stride_ob, stride_os, stride_oh),

@@ -9,12 +9,6 @@ Conventions used by every kernel of the op:
 * keys past the end of the sequence get ``-inf`` through the column mask; rows past
   the end load zeros and are never stored.
 * head dims that are not a power of two >= 16 are zero padded by masked loads.
-* ``EXP2_POLY`` (16-bit tiles only): how many of a tile's exponentials skip the
-  special-function unit, which issues 16 ``exp2`` per SM per clock, for a polynomial
-  on the FMA pipe (``_exp2_fma``): 0 none, 1 every other key, 2 all. At head dim 32
-  a logit costs two dots of depth 32 on the tensor cores but one ``exp2``, so the
-  special-function unit, not the tensor cores, can set the pace (flash-attention 4
-  splits the exponentials the same way, on Blackwell).
 * ``PRECISION``: 0 computes the dots in the input dtype (tf32 for fp32 inputs),
   1 upcasts every tile to fp32 and uses tf32 dots, 2 upcasts and uses 3xTF32 dots
   (each fp32 operand split into a tf32 high part and a tf32 residual, three
@@ -52,40 +46,6 @@ else:
         else:
             out = tl.dot(a, b, acc)
         return out
-
-
-@triton.jit
-def _exp2_fma(x):
-    """``2^x`` for ``x <= 0`` without the special-function unit. The nearest integer
-    ``j`` comes from adding ``1.5 * 2^23`` (the float's rounding does it; its low
-    mantissa bits are then ``j``), ``2^(x - j)`` on ``[-1/2, 1/2]`` from a degree-3
-    polynomial (relative error 7.5e-5: 6x below the rounding of a bf16 or fp16
-    probability, and the same function in the forward and the backward), and ``j``
-    is added to the exponent bits. ``x`` below -125 (masked logits, ``-inf``) gives
-    a value in ``[0, 2^-125]``, not 0: nothing the kernels sum or store notices."""
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = ((0.05517138 * f + 0.24261121) * f + 0.693261) * f + 0.99992806
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2(x, EXP2_POLY: tl.constexpr):
-    """``2^x`` of a ``[R, C]`` tile (``C`` even), a share of it by ``_exp2_fma`` (see
-    ``EXP2_POLY`` in the module docstring); split on adjacent columns, which the
-    tensor-core accumulator layouts keep in one thread's registers."""
-    if EXP2_POLY == 0:
-        out = tl.math.exp2(x)
-    elif EXP2_POLY == 2:
-        out = _exp2_fma(x)
-    else:
-        R: tl.constexpr = x.shape[0]
-        C: tl.constexpr = x.shape[1]
-        even, odd = tl.split(tl.reshape(x, [R, C // 2, 2]))
-        out = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [R, C])
-    return out
 
 
 @triton.jit

@@ -103,17 +103,6 @@ INTERPRETER_CONFIGS = {
 }
 
 
-# How many of a 16-bit tile's exponentials the kernels compute by polynomial on the
-# FMA pipe rather than on the special-function unit: 0 none, 1 half, 2 all
-# (``_tiles._exp2``). fp32 tiles (fp32 inputs, high precision) always use the unit.
-EXP2_POLY_16BIT = 1
-
-
-def exp2_poly(itemsize: int, high_precision: bool) -> int:
-    """The kernels' ``EXP2_POLY`` for inputs of ``itemsize`` bytes."""
-    return EXP2_POLY_16BIT if itemsize == 2 and not high_precision else 0
-
-
 def d_block(d: int) -> int:
     """``BLOCK_D`` of head dim ``d``: the next power of two, at least 16 (the depth
     of a 16-bit tensor-core dot); smaller head dims are zero padded."""

@@ -179,7 +179,6 @@ class _Inputs:
             N_BUCKET=configs.n_bucket(self.N), S_BUCKET=configs.s_bucket(self.S),
             HAS_MASK=self.mask is not None,
             PRECISION=_precision(high_precision),
-            EXP2_POLY=configs.exp2_poly(self.q.dtype.itemsize, high_precision),
             BLOCK_D=configs.d_block(self.D),
         )
 
