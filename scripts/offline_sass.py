@@ -2,7 +2,7 @@
 the compiler made of it.
 
     python scripts/offline_sass.py fwd --block 128 64 --s-group 1 --warps 4 --stages 3
-    python scripts/offline_sass.py dkdv --block 64 64 --s-group 2 --head-dim 48 --json
+    python scripts/offline_sass.py dkdv --block 64 64 --shape 1,48,768,16,48 --json
 
 For a kernel change, before spending device time on it: the layout conversions of
 the Triton GPU IR (``ttg.convert_layout``, each a round trip through shared memory
@@ -15,6 +15,14 @@ these sessions) may schedule and allocate differently. So the counts compare two
 versions of a kernel under one compiler; they do not predict the GPU's timing
 (docs/benchmarks.md, session 14: a change with 5% more float instructions here ran
 20-38% slower on the H200).
+
+The kernel is specialised as a launch at ``--shape`` would specialise it (Triton's
+rules: an integer argument equal to 1 becomes a constant, one divisible by 16 and
+every pointer get a divisibility-16 hint): without the hints the compiler cannot
+vectorise the tile loads (session 14's scan lacked them: its bias tiles loaded one
+element per instruction). ``loop`` counts the instructions of the kernel's main loop
+(the longest backward branch of the SASS), per iteration and per tile element a
+thread handles there: the dynamic cost the static histogram hides.
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ FLAGS = {  # constexpr flags of a triangle-attention call (OF3's training path)
     "PRECISION": 0, "COMPUTE_DQ": True, "STORE_DS": False, "FUSE_DQ": False,
     "EVEN_N": True, "COL_MASK": True,
 }
-SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)")
+SHAPE = (1, 1024, 1024, 4, 32)  # triangle attention at N = 1024: B, S, N, H, D
+SASS_LINE = re.compile(
+    r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)\S*([^;]*)")
 
 
 def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
@@ -71,8 +81,46 @@ def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
     return signature
 
 
+def _argument_values(shape: tuple[int, ...], s_chunk: int) -> dict[str, int]:
+    """The integer arguments of a launch at ``shape``: contiguous ``[B, S, N, H, D]``
+    q, k, v, o, dO and gradients, a ``[B, S, 1, 1, N]`` key mask, a pair bias
+    ``[B, 1, H, N, N]`` shared over S and the fp32 bias-gradient parts."""
+    from of3_megafold.kernels.evoflash.configs import n_bucket, s_bucket
+
+    B, S, N, H, D = shape
+    values = {"B": B, "S": S, "N": N, "H": H, "D": D, "S_CHUNK": s_chunk,
+              "N_BUCKET": n_bucket(N), "S_BUCKET": s_bucket(S),
+              "stride_mb": S * N, "stride_ms": N, "stride_mn": 1,
+              "stride_bb": H * N * N, "stride_bs": 0, "stride_bh": N * N,
+              "stride_bi": N, "stride_dbp": B * H * N * N, "stride_dbb": H * N * N,
+              "stride_dbs": 0, "stride_dbh": N * N, "stride_dbi": N}
+    for prefix in ("q", "k", "v", "o", "do", "g", "gt"):
+        values.update({f"stride_{prefix}b": S * N * H * D,
+                       f"stride_{prefix}s": N * H * D,
+                       f"stride_{prefix}n": H * D, f"stride_{prefix}h": D})
+    return values
+
+
+def _specialize(signature: dict, constexprs: dict, values: dict) -> dict:
+    """Triton's specialisation of a launch: integers equal to 1 into ``constexprs``;
+    the divisibility-16 hints of the others and of the pointers, returned."""
+    attrs = {}
+    for index, (name, kind) in enumerate(list(signature.items())):
+        if kind.startswith("*"):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif kind == "i32":
+            if name not in values:
+                raise SystemExit(f"no value for argument {name}")
+            if values[name] == 1:
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+            elif values[name] % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
-                   stages: int, head_dim: int, dtype: str) -> dict:
+                   stages: int, shape: tuple[int, ...], dtype: str) -> dict:
     """Compile ``name`` for sm_90a; the report's fields (see the module doc)."""
     import importlib
 
@@ -87,19 +135,23 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
         importlib.import_module(f"of3_megafold.kernels.evoflash.{module}"), function)
     names = [p.name for p in kernel.params]
     constexprs = {key: value for key, value in FLAGS.items() if key in names}
+    head_dim = shape[4]
     block_d = d_block(head_dim)  # as the launcher pads it
     constexprs.update(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_D=block_d,
-                      PAD_D=block_d != head_dim)
+                      PAD_D=block_d != head_dim,
+                      EVEN_N=shape[2] % block[0] == 0 and shape[2] % block[1] == 0)
     if "S_GROUP" in names:
         constexprs["S_GROUP"] = s_group
-    source = ASTSource(kernel, _signature(kernel, dtype, constexprs),
+    signature = _signature(kernel, dtype, constexprs)
+    attrs = _specialize(signature, constexprs, _argument_values(shape, shape[1]))
+    source = ASTSource(kernel, signature, attrs=attrs,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
     report = {
         "kernel": name, "block": list(block), "s_group": s_group, "warps": warps,
-        "stages": stages, "head_dim": head_dim, "dtype": dtype,
+        "stages": stages, "shape": list(shape), "head_dim": head_dim, "dtype": dtype,
         "triton": triton.__version__,
         "convert_layout": [
             line.strip().split(" loc(")[0]
@@ -108,6 +160,10 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
         ],
     }
     report.update(_ptxas_and_sass(ptx))
+    per_iteration = block[0] * block[1] * (s_group if "S_GROUP" in names else 1)
+    loop = report["loop"]
+    loop["elements_per_thread"] = per_iteration // (32 * warps)
+    loop["per_element"] = round(loop["instructions"] / loop["elements_per_thread"], 2)
     return report
 
 
@@ -134,17 +190,30 @@ def _ptxas_and_sass(ptx: str) -> dict:
                               capture_output=True, text=True, check=True).stdout
     registers = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
-    ops = collections.Counter(
-        match.group(1)
-        for line in sass.splitlines()
-        if (match := SASS_LINE.match(line))
-    )
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for line in sass.splitlines()
+            if (m := SASS_LINE.match(line))]
+    ops = collections.Counter(op for _, op, _ in code)
     return {
         "registers": int(registers.group(1)) if registers else None,
         "spill_store_bytes": int(spills.group(1)) if spills else 0,
         "sass_instructions": sum(ops.values()),
         "sass_ops": dict(ops.most_common()),
+        "loop": _main_loop(code),
     }
+
+
+def _main_loop(code: list[tuple[int, str, str]]) -> dict:
+    """The instructions between the target and the source of the longest backward
+    branch: one iteration of the kernel's main loop (software pipelining keeps it
+    one body)."""
+    spans = [(int(target.group(1), 16), address) for address, op, rest in code
+             if op == "BRA" and (target := re.match(r"\s*(0x[0-9a-f]+)", rest))
+             and int(target.group(1), 16) < address]
+    if not spans:
+        return {"instructions": 0, "ops": {}}
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    ops = collections.Counter(op for address, op, _ in code if start <= address <= end)
+    return {"instructions": sum(ops.values()), "ops": dict(ops.most_common())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,21 +224,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s-group", type=int, default=1)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--shape", default=",".join(map(str, SHAPE)),
+                        help="B,S,N,H,D of the launch to specialise for (default: "
+                             "triangle N=1024)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--json", action="store_true", help="the whole report as JSON")
     args = parser.parse_args(argv)
     report = compile_kernel(args.kernel, tuple(args.block), args.s_group, args.warps,
-                            args.stages, args.head_dim, args.dtype)
+                            args.stages, tuple(int(x) for x in args.shape.split(",")),
+                            args.dtype)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{report['kernel']} {report['block']} S_GROUP {report['s_group']}, "
           f"{report['warps']} warps, {report['stages']} stages, "
-          f"D {report['head_dim']}, {report['dtype']} "
+          f"shape {report['shape']}, {report['dtype']} "
           f"(Triton {report['triton']}, sm_90a)")
     print(f"registers {report['registers']}, spills {report['spill_store_bytes']} B, "
           f"{report['sass_instructions']} SASS instructions")
+    loop = report["loop"]
+    print(f"main loop: {loop['instructions']} instructions per iteration, "
+          f"{loop['per_element']} per tile element of a thread "
+          f"({loop['elements_per_thread']} per iteration)")
+    print("  " + ", ".join(f"{op} {n}" for op, n in list(loop["ops"].items())[:20]))
     print("layout conversions:")
     for line in report["convert_layout"]:
         print(f"  {line[:150]}")

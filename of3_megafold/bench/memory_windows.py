@@ -6,14 +6,17 @@ event the recorder reads the allocator's peak since the previous event and reset
 it. So each *window* between two consecutive events gets its own peak, and the step's
 peak lies in one window, named by the events around it.
 
-Backward passes are covered where OF3 checkpoints: a checkpointed block's backward
-calls its forward again (the recompute), so its hooks fire inside the backward, and
-the block's gradient work falls in the window its recompute opens (torch's
-non-reentrant checkpoint recomputes when the first saved tensor is needed and stops
-once it has them all, so the recompute's ``leave`` event may not fire). Elsewhere a
-backward window is named by the recompute events around it, or by the last forward
-event (hook the loss module too: then the first backward window opens at
-``leave loss``).
+Backward passes get two kinds of events:
+
+* ``grad <module>``: autograd has computed the gradient of the module's output (the
+  first tensor output that requires grad, hooked when the forward leaves it), so the
+  module's own backward starts. This splits the backward of modules that are not
+  checkpointed (the loss, the heads, the diffusion module's outer layers).
+* where OF3 checkpoints, a block's backward calls its forward again (the recompute),
+  so its ``enter``/``leave`` hooks fire inside the backward, and the block's gradient
+  work falls in the window its recompute opens (torch's non-reentrant checkpoint
+  recomputes when the first saved tensor is needed and stops once it has them all,
+  so the recompute's ``leave`` event may not fire).
 
 A window's ``phase`` is ``forward``, ``backward``, or ``forward->backward`` for the
 one that spans the start of the backward pass (an event's phase is read at the
@@ -63,6 +66,7 @@ class MemoryWindows:
     windows: list[Window] = field(default_factory=list)
     _last: tuple[str, str] = field(default=("start", "forward"), init=False,
                                    repr=False)  # (label, phase) of the last event
+    _recording: bool = field(default=False, init=False, repr=False)
 
     def _read(self) -> int:
         if self.peak_and_reset is not None:
@@ -72,6 +76,8 @@ class MemoryWindows:
         return peak
 
     def _event(self, label: str, phase: str | None = None) -> None:
+        if not self._recording:  # a gradient hook of a tensor that outlived it
+            return
         peak = self._read()
         phase = phase or _phase()
         opened = self._last[1]
@@ -91,9 +97,10 @@ class MemoryWindows:
                 handles.append(module.register_forward_pre_hook(
                     lambda _m, _a, name=name: self._event(f"enter {name}")))
                 handles.append(module.register_forward_hook(
-                    lambda _m, _a, _o, name=name: self._event(f"leave {name}")))
+                    lambda _m, _a, out, name=name: self._leave(name, out)))
         self._read()
         self._last = ("start", "forward")
+        self._recording = True
         try:
             yield self
         finally:
@@ -101,6 +108,17 @@ class MemoryWindows:
                 handle.remove()
             # the body's last window ends in the phase its last event opened it in
             self._event("end", phase=self._last[1])
+            self._recording = False
+
+    def _leave(self, name: str, output) -> None:
+        """The ``leave`` event; in the forward, the ``grad`` event hooked on the
+        output (not in a recompute: those tensors get no gradient of their own)."""
+        self._event(f"leave {name}")
+        if _phase() != "forward" or not torch.is_grad_enabled():
+            return
+        tensor = _first_grad_tensor(output)
+        if tensor is not None:
+            tensor.register_hook(lambda _grad: self._event(f"grad {name}"))
 
     def top(self, count: int = 15) -> list[Window]:
         """The ``count`` windows with the highest peaks, highest first."""
@@ -115,6 +133,20 @@ class MemoryWindows:
         lines += [f"  {w.peak / GIB:7.2f} GiB  {w.phase:8s} after {w.after}, "
                   f"before {w.before}" for w in self.top(count)]
         return lines
+
+
+def _first_grad_tensor(output) -> torch.Tensor | None:
+    """The first tensor that requires grad in a module's output (tensors, tuples,
+    lists, dicts, nested)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else (
+        output if isinstance(output, (tuple, list)) else ())
+    for item in items:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
 
 
 def _phase() -> str:

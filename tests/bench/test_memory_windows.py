@@ -56,12 +56,12 @@ class _Model(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             [_Block(peak, 1 * GIB, 0), _Block(peak, 3 * GIB, 7 * GIB),
-             _Block(peak, 2 * GIB, 0)])
+             _Block(peak, 2 * GIB, 5 * GIB)])
 
     def forward(self, x):
         x = self.blocks[0](x)
         x = checkpoint(self.blocks[1], x, use_reentrant=False)
-        return self.blocks[2](x)
+        return 2 * self.blocks[2](x)  # an output of its own (hooked apart)
 
 
 @pytest.fixture
@@ -87,6 +87,13 @@ def test_windows_name_the_forward_and_backward_peaks(model_and_recorder):
     # needs, so the recompute's "leave" need not fire).
     top = recorder.top(1)[0]
     assert (top.peak, top.phase, top.after) == (7 * GIB, "backward", "enter blocks.1")
+    # The block that is not checkpointed: its gradient work falls in the window
+    # its output's gradient opens, ahead of the checkpointed block's.
+    backward = [w for w in recorder.windows if "backward" in w.phase]
+    second = max((w for w in backward if w.peak < 7 * GIB), key=lambda w: w.peak)
+    assert (second.peak, second.after) == (5 * GIB, "grad blocks.2")
+    grads = [w.before for w in backward if w.before.startswith("grad")]
+    assert grads == ["grad model", "grad blocks.2", "grad blocks.1", "grad blocks.0"]
     # one window spans the end of the forward and the start of the backward
     assert [w.phase for w in recorder.windows].count("forward->backward") == 1
     assert recorder.windows[-1].before == "end"
@@ -107,7 +114,8 @@ def test_report_lists_the_highest_windows_first(model_and_recorder):
 def test_hooks_are_removed_after_recording(model_and_recorder):
     model, recorder = model_and_recorder
     with recorder.recording():
-        pass
+        out = model(torch.randn(3, 4, requires_grad=True))
     before = len(recorder.windows)
     model(torch.randn(3, 4))
+    out.sum().backward()  # the gradient hooks of the recorded forward: silent now
     assert len(recorder.windows) == before
