@@ -132,6 +132,19 @@ def _gathered(value: float, dist, device) -> list[float]:
     return [float(v) for v in every]
 
 
+def _loss_terms() -> dict[str, tuple[object, str]]:
+    """OF3's loss terms (functions, looked up in these modules by their callers), as
+    memory-window events: the loss module's windows split by term."""
+    from openfold3.core.loss import diffusion, loss_module
+
+    terms = {"loss.confidence": (loss_module, "confidence_loss"),
+             "loss.diffusion": (loss_module, "diffusion_loss"),
+             "loss.distogram": (loss_module, "all_atom_distogram_loss")}
+    for name in ("mse_loss", "bond_loss", "bond_loss_sparse", "smooth_lddt_loss"):
+        terms[f"loss.diffusion.{name}"] = (diffusion, name)
+    return terms
+
+
 def _memory_windows(harness, batch, count: int, depth: int, path: Path) -> None:
     """One more step with the memory-window recorder; its top ``count`` windows to
     ``path`` (off CUDA every peak reads 0: a dry run of the hooks)."""
@@ -141,6 +154,7 @@ def _memory_windows(harness, batch, count: int, depth: int, path: Path) -> None:
         {"": harness.model, "loss": harness.loss_fn},
         depth=depth,
         peak_and_reset=None if harness.device.type == "cuda" else (lambda: 0),
+        functions=_loss_terms(),
     )
     with recorder.recording():
         harness.step(batch)  # its own peak figure is void here: the recorder resets

@@ -18,6 +18,10 @@ Backward passes get two kinds of events:
   recomputes when the first saved tensor is needed and stops once it has them all,
   so the recompute's ``leave`` event may not fire).
 
+Plain functions get the same three events when named in ``functions`` (the loss
+terms, which are functions, not modules): the recorder swaps each for a wrapper while
+it records.
+
 A window's ``phase`` is ``forward``, ``backward``, or ``forward->backward`` for the
 one that spans the start of the backward pass (an event's phase is read at the
 event: inside autograd's backward or not).
@@ -58,11 +62,15 @@ class MemoryWindows:
             called (``ModuleList``) fire nothing.
         peak_and_reset: Returns the peak allocated bytes since the last call and
             resets it; default: the current CUDA device's allocator.
+        functions: Label -> ``(owner, attribute)`` of a function to time as if it
+            were a module (``{"loss.bond": (diffusion, "bond_loss")}``); the owner
+            is the module the callers look the name up in.
     """
 
     modules: dict[str, torch.nn.Module]
     depth: int = 3
     peak_and_reset: Callable[[], int] | None = None
+    functions: dict[str, tuple[object, str]] = field(default_factory=dict)
     windows: list[Window] = field(default_factory=list)
     _last: tuple[str, str] = field(default=("start", "forward"), init=False,
                                    repr=False)  # (label, phase) of the last event
@@ -98,6 +106,11 @@ class MemoryWindows:
                     lambda _m, _a, name=name: self._event(f"enter {name}")))
                 handles.append(module.register_forward_hook(
                     lambda _m, _a, out, name=name: self._leave(name, out)))
+        originals = []
+        for label, (owner, attribute) in self.functions.items():
+            original = getattr(owner, attribute)
+            originals.append((owner, attribute, original))
+            setattr(owner, attribute, self._wrap(label, original))
         self._read()
         self._last = ("start", "forward")
         self._recording = True
@@ -106,9 +119,20 @@ class MemoryWindows:
         finally:
             for handle in handles:
                 handle.remove()
+            for owner, attribute, original in originals:
+                setattr(owner, attribute, original)
             # the body's last window ends in the phase its last event opened it in
             self._event("end", phase=self._last[1])
             self._recording = False
+
+    def _wrap(self, label: str, function: Callable) -> Callable:
+        def recorded(*args, **kwargs):
+            self._event(f"enter {label}")
+            output = function(*args, **kwargs)
+            self._leave(label, output)
+            return output
+
+        return recorded
 
     def _leave(self, name: str, output) -> None:
         """The ``leave`` event; in the forward, the ``grad`` event hooked on the

@@ -119,3 +119,22 @@ def test_hooks_are_removed_after_recording(model_and_recorder):
     model(torch.randn(3, 4))
     out.sum().backward()  # the gradient hooks of the recorded forward: silent now
     assert len(recorder.windows) == before
+
+
+def _square_sum(x):
+    return (x * x).sum()
+
+
+def test_named_functions_fire_events_and_are_restored():
+    import sys
+
+    peak = _Peak()
+    this = sys.modules[__name__]
+    recorder = MemoryWindows({}, functions={"loss.sq": (this, "_square_sum")},
+                             peak_and_reset=peak.read_and_reset)
+    x = torch.randn(3, requires_grad=True)
+    with recorder.recording():
+        this._square_sum(x).backward()
+    labels = [w.before for w in recorder.windows]
+    assert labels[:3] == ["enter loss.sq", "leave loss.sq", "grad loss.sq"]
+    assert this._square_sum is _square_sum
