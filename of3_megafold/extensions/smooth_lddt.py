@@ -1,4 +1,5 @@
-"""Smooth lDDT backends for OF3's diffusion loss: dense, ball_query or fused.
+"""Smooth lDDT backends for OF3's diffusion loss (dense, ball_query or fused), and
+its bond loss from the bonded atom pairs alone.
 
 Keys, under ``model_update.custom.architecture.loss_module.diffusion``:
 
@@ -8,15 +9,19 @@ Keys, under ``model_update.custom.architecture.loss_module.diffusion``:
 - ``smooth_lddt_top_k``: neighbours kept per atom by ``ball_query``;
 - ``smooth_lddt_seed``: seed of the neighbour sampling. ``null`` draws each step's
   seed from torch's default generator (seeded by OF3's ``experiment_settings.seed``,
-  so a run is reproducible); an integer ``s`` uses ``s + call index``.
+  so a run is reproducible); an integer ``s`` uses ``s + call index``;
+- ``bond_loss_backend``: ``dense`` (OF3's ``bond_loss``: every pairwise distance,
+  ``[B, S, N_atom, N_atom, 3]``) or ``pairs`` (the same value from the bonded
+  polymer-ligand atom pairs only, plain torch: ``_bond_pairs``). At 768 tokens
+  OF3's dense bond loss is the training step's memory peak.
 
 OF3 passes these keys to ``diffusion_loss(**cfg)``, which accepts ``**kwargs``. The
 patch of ``diffusion_loss`` reads them for the duration of the call; the patch of
 ``smooth_lddt_loss`` dispatches to the chosen kernel. OF3's ``chunk_size`` (the
 ``train`` preset sets 4) chunks the sample dimension under activation
-checkpointing to bound the dense ``[S, N, N]`` memory; the Triton backends need no
-chunking, so for them ``run_low_mem_loss_fn`` calls the loss once on all samples
-(logged once). The bond loss keeps OF3's chunking.
+checkpointing to bound the dense ``[S, N, N]`` memory; the Triton backends and the
+``pairs`` bond loss need no chunking, so for them ``run_low_mem_loss_fn`` calls the
+loss once on all samples (logged once).
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ TOP_K_KEY = registry.ConfigKey(
     256,
     "ball_query: neighbours kept per atom (uniform sample when more are in radius).",
 )
+BOND_BACKENDS = ("dense", "pairs")
+BOND_KEY = registry.ConfigKey(
+    (*_SECTION, "bond_loss_backend"),
+    "dense",
+    "Bond loss: dense (OF3's, every pairwise atom distance of every sample) or "
+    "pairs (the same value from the bonded polymer-ligand atom pairs only).",
+    choices=BOND_BACKENDS,
+)
 SEED_KEY = registry.ConfigKey(
     (*_SECTION, "smooth_lddt_seed"),
     None,
@@ -63,6 +76,7 @@ class _Settings:
     backend: str = "dense"
     top_k: int = 256
     seed: int | None = None
+    bond: str = "dense"
 
 
 _STOCK = _Settings()
@@ -73,10 +87,11 @@ _CALLS = itertools.count()
 
 
 @functools.cache
-def _log_chunk_bypass(backend: str, chunk_size: int) -> None:
+def _log_chunk_bypass(loss: str, backend: str, chunk_size: int) -> None:
     logger.info(
-        "smooth lDDT backend %s: diffusion chunk_size=%s is not needed (O(N) "
-        "memory); the loss runs once on all samples",
+        "%s backend %s: diffusion chunk_size=%s is not needed (no N_atom^2 "
+        "tensors); the loss runs once on all samples",
+        loss,
         backend,
         chunk_size,
     )
@@ -85,8 +100,8 @@ def _log_chunk_bypass(backend: str, chunk_size: int) -> None:
 def _settings() -> _Settings:
     forced = registry.forced_variant(NAME)
     current = _CURRENT.get() or _STOCK
-    if forced is not None:
-        return _Settings(forced, current.top_k, current.seed)
+    if forced is not None:  # forced on (OF3's tests): both losses the kit's way
+        return _Settings(forced, current.top_k, current.seed, "pairs")
     return current
 
 
@@ -165,12 +180,26 @@ def _patch_smooth_lddt_loss(original):
     return smooth_lddt_loss
 
 
+def _patch_bond_loss(original):
+    def bond_loss(x, batch, eps):
+        if _settings().bond == "pairs":
+            from ._bond_pairs import bonded_pair_bond_loss
+
+            return bonded_pair_bond_loss(x, batch, eps)
+        return original(x=x, batch=batch, eps=eps)
+
+    bond_loss.__doc__ = original.__doc__
+    bond_loss.__wrapped__ = original
+    return bond_loss
+
+
 def _patch_diffusion_loss(original):
     def diffusion_loss(*args, **kwargs):
         settings = _Settings(
             backend=kwargs.pop(BACKEND_KEY.path[-1], "dense"),
             top_k=kwargs.pop(TOP_K_KEY.path[-1], 256),
             seed=kwargs.pop(SEED_KEY.path[-1], None),
+            bond=kwargs.pop(BOND_KEY.path[-1], "dense"),
         )
         token = _CURRENT.set(settings)
         try:
@@ -187,10 +216,13 @@ def _patch_run_low_mem_loss_fn(original):
     def run_low_mem_loss_fn(loss_fn, x, kwargs, chunk_size):
         from openfold3.core.loss import diffusion
 
-        is_smooth_lddt = loss_fn is diffusion.smooth_lddt_loss
-        backend = _settings().backend
-        if is_smooth_lddt and backend != "dense" and runs_on(x):
-            _log_chunk_bypass(backend, chunk_size)
+        settings = _settings()
+        if (loss_fn is diffusion.smooth_lddt_loss and settings.backend != "dense"
+                and runs_on(x)):
+            _log_chunk_bypass("smooth lDDT", settings.backend, chunk_size)
+            return loss_fn(x=x, **kwargs)
+        if loss_fn is diffusion.bond_loss and settings.bond == "pairs":
+            _log_chunk_bypass("bond loss", settings.bond, chunk_size)
             return loss_fn(x=x, **kwargs)
         return original(loss_fn, x, kwargs, chunk_size)
 
@@ -199,7 +231,7 @@ def _patch_run_low_mem_loss_fn(original):
 
 
 def _requested(config: Any) -> bool:
-    return BACKEND_KEY.read(config) != "dense"
+    return BACKEND_KEY.read(config) != "dense" or BOND_KEY.read(config) != "dense"
 
 
 def _validate(config: Any) -> None:
@@ -222,18 +254,21 @@ _DIFFUSION = "openfold3.core.loss.diffusion"
 EXTENSION = registry.register(
     registry.Extension(
         name=NAME,
-        summary="Smooth lDDT loss without the dense [S, N_atom, N_atom] tensors",
-        keys=(BACKEND_KEY, TOP_K_KEY, SEED_KEY),
+        summary="Smooth lDDT and bond losses without the dense [S, N_atom, N_atom] "
+        "tensors",
+        keys=(BACKEND_KEY, TOP_K_KEY, SEED_KEY, BOND_KEY),
         requested=_requested,
         enable_update={
             "architecture": {
-                "loss_module": {"diffusion": {"smooth_lddt_backend": "fused"}}
+                "loss_module": {"diffusion": {"smooth_lddt_backend": "fused",
+                                              "bond_loss_backend": "pairs"}}
             }
         },
         requires=("triton",),
         device_check=triton_backend,
         patches=(
             registry.Patch(f"{_DIFFUSION}:smooth_lddt_loss", _patch_smooth_lddt_loss),
+            registry.Patch(f"{_DIFFUSION}:bond_loss", _patch_bond_loss),
             registry.Patch(f"{_DIFFUSION}:diffusion_loss", _patch_diffusion_loss),
             registry.Patch(
                 "openfold3.core.loss.loss_module:diffusion_loss", _patch_diffusion_loss

@@ -53,10 +53,10 @@ def _diffusion_cfg(backend=None, chunk_size=None, **extra):
     custom = {
         "architecture": {"loss_module": {"diffusion": {"chunk_size": chunk_size}}}
     }
+    section = custom["architecture"]["loss_module"]["diffusion"]
     if backend is not None:
-        custom["architecture"]["loss_module"]["diffusion"].update(
-            smooth_lddt_backend=backend, **extra
-        )
+        section.update(smooth_lddt_backend=backend)
+    section.update(extra)
     config = OF3ProjectEntry().get_model_config_with_update(ModelUpdate(custom=custom))
     return dict(config.architecture.loss_module.diffusion)
 
@@ -160,3 +160,74 @@ def test_cpu_tensors_take_dense_path_without_the_interpreter(
     fallback = _loss(batch, x32, cfg)
     for got, want in zip(fallback, dense, strict=True):
         assert torch.equal(got, want)
+
+
+def _bond_batch(seed=0):
+    """OF3's diffusion-loss test batch (3 one-atom ligand tokens bonded to every
+    polymer token: 156 atom pairs) with a few atoms unresolved."""
+    batch, x = _batch_and_x(seed=seed)
+    resolved = batch["ground_truth"]["atom_resolved_mask"]
+    resolved[..., [1, 7, 40]] = 0.0
+    return batch, x
+
+
+@pytest.mark.parametrize("layout", ["sampled", "one_sample"])
+def test_bond_pairs_match_ofs_dense_bond_loss(kit, layout):
+    from openfold3.core.loss import diffusion
+
+    from of3_megafold.extensions._bond_pairs import bonded_pair_bond_loss
+
+    dense_fn = diffusion.bond_loss.__wrapped__
+    batch, x = _bond_batch()
+    if layout == "one_sample":  # [B, N_atom, 3] and the batch without a sample dim
+        x = x[:, 0].detach().requires_grad_(True)
+        batch = {k: (v.squeeze(1) if torch.is_tensor(v) else
+                     {kk: vv.squeeze(1) for kk, vv in v.items()})
+                 for k, v in batch.items()}
+    dense = dense_fn(x=x, batch=batch, eps=1e-8)
+    pairs = bonded_pair_bond_loss(x, batch, 1e-8)
+    assert pairs.shape == dense.shape and (dense > 0).all()
+    torch.testing.assert_close(pairs, dense, rtol=1e-10, atol=1e-12)
+    (g_dense,) = torch.autograd.grad(dense.sum(), x)
+    (g_pairs,) = torch.autograd.grad(bonded_pair_bond_loss(x, batch, 1e-8).sum(), x)
+    assert g_dense.abs().max() > 0
+    torch.testing.assert_close(g_pairs, g_dense, rtol=1e-10, atol=1e-12)
+
+
+def test_bond_pairs_without_bonds_is_zero(kit):
+    from of3_megafold.extensions._bond_pairs import bonded_pair_bond_loss
+
+    batch, x = _bond_batch()
+    batch["is_ligand"] = torch.zeros_like(batch["is_ligand"])
+    loss = bonded_pair_bond_loss(x, batch, 1e-8)
+    assert loss.shape == x.shape[:2] and (loss == 0).all()
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_bond_backend_inside_diffusion_loss(kit, monkeypatch, chunk_size):
+    from of3_megafold.extensions import _bond_pairs
+
+    calls = []
+    pair_loss = _bond_pairs.bonded_pair_bond_loss
+    monkeypatch.setattr(_bond_pairs, "bonded_pair_bond_loss",
+                        lambda *a: calls.append(1) or pair_loss(*a))
+    batch, x = _bond_batch()
+    x = x.detach().float().requires_grad_(True)  # OF3's rigid alignment: fp32
+
+    def bond(cfg):
+        from openfold3.core.loss.loss_module import diffusion_loss
+
+        t = torch.full((1,), 4.0, dtype=x.dtype)
+        total, breakdown = diffusion_loss(batch=copy.deepcopy(batch), x=x, t=t, **cfg)
+        (grad,) = torch.autograd.grad(total, x)
+        return total.detach(), breakdown["bond_loss"].detach(), grad
+
+    dense = bond(_diffusion_cfg(chunk_size=chunk_size))
+    assert calls == []
+    pairs = bond(_diffusion_cfg(chunk_size=chunk_size, bond_loss_backend="pairs"))
+    assert calls == [1]  # once, whatever the chunking
+    assert dense[1] > 0
+    for got, want in zip(pairs, dense, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(KitConfigError, match="'dense', 'pairs'"):
+        _diffusion_cfg(bond_loss_backend="sparse")
