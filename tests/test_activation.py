@@ -284,3 +284,34 @@ def test_kit_import_errors_in_dataset_registration_still_fail(monkeypatch):
             activate()
     finally:
         deactivate()
+
+
+def test_forced_extension_skips_the_of3_tests_it_changes_on_purpose():
+    """``of3_megafold.testing`` skips, with the reason, only the listed OF3 tests and
+    only while their extension is forced."""
+    from of3_megafold import activate, testing
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid, self.markers = nodeid, []
+
+        def add_marker(self, marker):
+            self.markers.append(marker)
+
+    listed = ("openfold3/tests/test_diffusion_loss.py::TestBondLossMemory::"
+              "test_sparse_uses_less_or_equal_reserved_memory[1000]")
+    other = "openfold3/tests/test_diffusion_loss.py::TestDiffusionLoss::test_bond_loss"
+    try:
+        for force, expect_skip in (((), False), (("smooth_lddt",), True)):
+            activate(force=force)
+            items = [Item(listed), Item(other)]
+            testing.pytest_collection_modifyitems(None, items)
+            assert not items[1].markers
+            if expect_skip:
+                (marker,) = items[0].markers
+                assert marker.name == "skip" and "smooth_lddt forced" in (
+                    marker.kwargs["reason"])
+            else:
+                assert not items[0].markers
+    finally:
+        activate()
