@@ -26,7 +26,8 @@ Per size, rank 0 appends one row to OUT.json:
 ``--memory-windows K``: after the timed steps of a size, one more step with
 :class:`~of3_megafold.bench.memory_windows.MemoryWindows` on every rank (model and
 loss modules to ``--memory-depth``, default 5: deep enough for the blocks of the
-diffusion transformer and the confidence head's pairformer); each rank writes the K
+diffusion transformer and the confidence head's pairformer; and OF3's loss terms,
+which are functions: ``_loss_terms``); each rank writes the K
 windows with the highest peaks to ``OUT.memory-<tokens>-rank<r>.txt``: where in the
 step the peak memory sits, which the sharded pairformer does not show by itself.
 With ``--nproc_per_node 1`` the same report comes from one unsharded GPU.
