@@ -73,10 +73,10 @@ SEED_KEY = registry.ConfigKey(
 
 @dataclass(frozen=True)
 class _Settings:
-    backend: str = "dense"
-    top_k: int = 256
-    seed: int | None = None
-    bond: str = "dense"
+    backend: str = BACKEND_KEY.default
+    top_k: int = TOP_K_KEY.default
+    seed: int | None = SEED_KEY.default
+    bond: str = BOND_KEY.default
 
 
 _STOCK = _Settings()
@@ -195,12 +195,8 @@ def _patch_bond_loss(original):
 
 def _patch_diffusion_loss(original):
     def diffusion_loss(*args, **kwargs):
-        settings = _Settings(
-            backend=kwargs.pop(BACKEND_KEY.path[-1], "dense"),
-            top_k=kwargs.pop(TOP_K_KEY.path[-1], 256),
-            seed=kwargs.pop(SEED_KEY.path[-1], None),
-            bond=kwargs.pop(BOND_KEY.path[-1], "dense"),
-        )
+        settings = _Settings(*(kwargs.pop(key.path[-1], key.default) for key in (
+            BACKEND_KEY, TOP_K_KEY, SEED_KEY, BOND_KEY)))
         token = _CURRENT.set(settings)
         try:
             return original(*args, **kwargs)
