@@ -15,21 +15,38 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/of3mf-out}"
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    if [ ! -f /tmp/site/.of3mf-installed ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --upgrade --target /tmp/site .whl/*.whl || exit 1
-        touch /tmp/site/.of3mf-installed
-    fi
+# Where the wheels go: OF3MF_SITE, else /tmp/site. A folder in the checkout's root
+# (OF3MF_SITE=$PWD/.site, git-ignored) outlives a call on a warm machine, so wheels
+# too large to travel in one call can come in several.
+SITE="${OF3MF_SITE:-/tmp/site}"
+install_wheels() {  # install_wheels <folder> <marker>: once per machine and folder
+    [ -f "$SITE/.of3mf-$2" ] && return 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" "$1"/*.whl || exit 1
+    touch "$SITE/.of3mf-$2"
+}
+[ -d .whl ] && install_wheels .whl installed
+# Other projects' kernels for the side-by-side benchmarks (of3_megafold/bench/rivals.py),
+# carried as .whl-rivals*/ folders (docs/benchmarks.md, "Re-running them")
+for folder in .whl-rivals*; do
+    [ -d "$folder" ] && install_wheels "$folder" "${folder#.whl-}"
+done
+if [ -f "$SITE/.of3mf-installed" ]; then
     # rdkit's drawing module links libXrender, which some GPU machines lack
     # (session 12's did); OF3 imports it (through pdbeccdutils) but never draws
-    if ! python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import rdkit.Chem.Draw" 2>/dev/null; then
-        mv /tmp/site/rdkit/Chem/Draw /tmp/site/rdkit/Chem/Draw.unloadable
-        mkdir /tmp/site/rdkit/Chem/Draw
+    if ! python3 -c "import sys; sys.path.insert(0, '$SITE'); import rdkit.Chem.Draw" 2>/dev/null; then
+        mv "$SITE/rdkit/Chem/Draw" "$SITE/rdkit/Chem/Draw.unloadable"
+        mkdir "$SITE/rdkit/Chem/Draw"
         echo '"""Import-only stand-in: the real module needs libXrender (gpu_session.sh)."""' \
-            >/tmp/site/rdkit/Chem/Draw/__init__.py
+            >"$SITE/rdkit/Chem/Draw/__init__.py"
     fi
-    export PYTHONPATH="/tmp/site:$PWD"
+    export PYTHONPATH="$SITE:$PWD"
+fi
+# DeepSpeed builds its evoformer op on first use: CUTLASS's headers from the
+# nvidia-cutlass wheel, the build kept beside the wheels
+if [ -d "$SITE/cutlass_library/source" ]; then
+    export CUTLASS_PATH="$SITE/cutlass_library/source" TORCH_EXTENSIONS_DIR="$SITE/.torch-extensions"
+    export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 # EvoFlash keeps its autotuning choices in Triton's cache (cache_results): bring the
@@ -101,6 +118,15 @@ for spec in "$@"; do
         # this checkout against an older one in one process (carry .host-ab-old: --prepare)
         # shellcheck disable=SC2086  # $extra: options for gpu_host_ab.py
         host-ab) run "$name" "${limit:-200}" python3 scripts/gpu_host_ab.py "$OUT/$name.txt" $extra ;;
+        # DeepSpeed's evoformer op, built ahead of the benchmarks that time it
+        ds-build) run ds-build "${limit:-560}" python3 -c "
+import time; t = time.time()
+from deepspeed.ops.op_builder import EvoformerAttnBuilder
+EvoformerAttnBuilder().load()
+print(f'built in {time.time() - t:.0f} s')" ;;
+        # the kit against cuEquivariance, DeepSpeed and Liger-Kernel (scripts/gpu_rivals.py)
+        # shellcheck disable=SC2086  # $extra: options for gpu_rivals.py
+        rivals) run "$name" "${limit:-540}" python3 scripts/gpu_rivals.py "$OUT" $extra ;;
         launch-cost) run launch-cost "${limit:-150}" python3 scripts/gpu_launch_cost.py \
             "$OUT/launch_cost.txt" ;;
         bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \

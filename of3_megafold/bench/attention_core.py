@@ -13,7 +13,11 @@ Providers, side by side in one process on the same inputs:
 - ``kit``: :func:`~of3_megafold.kernels.evoflash.evoflash_attention`, deterministic;
 - ``kit-atomic``: the same with ``deterministic=False`` (dQ by fp32 atomics);
 - ``kit-fp32-bias``: the kit with an fp32 pair bias (at triangle N=1024 and the
-  larger diffusion size only).
+  larger diffusion size only);
+- ``cueq``, ``deepspeed``: cuEquivariance's and DeepSpeed's kernels
+  (:mod:`of3_megafold.bench.rivals`), each timed on inputs already in its own
+  layout (the layout copy is made once, outside the timing); a missing one gets a
+  row with ``skipped`` naming the package.
 
 Shapes: triangle attention ``[1, N, N, 4, 32]`` (N = 256 ... 2048) and the diffusion
 transformer ``[1, 48, N, 16, 48]`` (N = 384, 768); bf16 q/k/v and pair bias. Case
@@ -37,11 +41,20 @@ from typing import Any
 
 import torch
 
+from of3_megafold.bench import rivals
 from of3_megafold.bench.common import append_rows, environment_metadata, timed_peak
 
 TRIANGLE_SIZES = (256, 384, 512, 768, 1024, 1536, 2048)
 DIFFUSION_SIZES = (384, 768)
-PROVIDERS = ("torch", "sdpa", "of3-triton", "kit", "kit-atomic", "kit-fp32-bias")
+PROVIDERS = (
+    "torch",
+    "sdpa",
+    "of3-triton",
+    "kit",
+    "kit-atomic",
+    "kit-fp32-bias",
+    *rivals.ATTENTION_CALLS,
+)
 GRAD_NAMES = ("o", "dq", "dk", "dv", "dbias")
 
 
@@ -114,6 +127,14 @@ def _forward_fn(provider: str, high_precision: bool = False):
             return o.transpose(1, 2).reshape(B, S, N, H, D).to(in_dtype)
 
         return sdpa
+    if provider in rivals.ATTENTION_CALLS:
+        call = rivals.ATTENTION_CALLS[provider]()
+
+        def rival(q, k, v, mask_bias, pair_bias):
+            native = call.to_native(q, k, v, mask_bias, pair_bias)
+            return call.from_native(call.forward(*native))
+
+        return rival
     if provider == "of3-triton":
         from openfold3.core.kernels.triton.evoformer import TritonEvoformer
 
@@ -141,6 +162,20 @@ def _forward_fn(provider: str, high_precision: bool = False):
         )
 
     return kit
+
+
+def _timed(provider: str, high_precision: bool, inputs: tuple):
+    """``(forward, inputs)`` that ``provider`` is timed on: a rival runs on inputs
+    already in its own layout, made once here, outside the timing."""
+    if provider not in rivals.ATTENTION_CALLS:
+        return _forward_fn(provider, high_precision), inputs
+    call = rivals.ATTENTION_CALLS[provider]()
+    q, k, v, mask_bias, pair_bias, do = inputs
+    with torch.no_grad():
+        q, k, v, mask, bias = call.to_native(q, k, v, mask_bias, pair_bias)
+        do = call.to_native_out(do)
+    q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
+    return call.forward, (q, k, v, mask, bias, do)
 
 
 def _step(forward, q, k, v, mask_bias, pair_bias, do):
@@ -197,6 +232,9 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
         for provider in providers:
             if high_precision and provider not in HIGH_PRECISION_PROVIDERS:
                 continue
+            skipped = (
+                rivals.unavailable(provider) if provider in rivals.RIVALS else None
+            )
             fp32_bias = provider == "kit-fp32-bias"
             if fp32_bias and (N, case["case"]) not in (
                 (1024, "triangle"),
@@ -219,23 +257,34 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 high_precision=high_precision,
                 matmul_precision=torch.get_float32_matmul_precision(),
             )
+            inputs = forward = None
             try:
-                inputs = _inputs(
-                    shape, device, dtype, torch.float32 if fp32_bias else dtype
-                )
-                forward = _forward_fn(provider, high_precision)
-                if index == 0:
-                    row.update(_errors(forward, *inputs))
-                timing = timed_peak(_step(forward, *inputs))
-                row.update(
-                    ms=timing.ms,
-                    peak_mib=timing.peak_mib,
-                    tflops=flops / (timing.ms * 1e-3) / 1e12,
-                )
+                if skipped:
+                    row["skipped"] = skipped
+                else:
+                    inputs = _inputs(
+                        shape, device, dtype, torch.float32 if fp32_bias else dtype
+                    )
+                    if index == 0:
+                        row.update(
+                            _errors(_forward_fn(provider, high_precision), *inputs)
+                        )
+                    forward, inputs = _timed(provider, high_precision, inputs)
+                    timing = timed_peak(_step(forward, *inputs))
+                    row.update(
+                        ms=timing.ms,
+                        peak_mib=timing.peak_mib,
+                        tflops=flops / (timing.ms * 1e-3) / 1e12,
+                    )
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "out of memory"
-            except RuntimeError as err:  # e.g. no SDPA kernel for this input
-                row["error"] = str(err).splitlines()[0][:200]
+            except (RuntimeError, ValueError, ImportError) as err:
+                # e.g. no SDPA kernel for this input, a rival's shape limits or
+                # a rival's build failing on first use
+                row["error"] = (
+                    f"{type(err).__name__}: "
+                    + (str(err).strip().splitlines() or [""])[0][:200]
+                )
             inputs = forward = None
             gc.collect()
             if on_gpu:
@@ -252,7 +301,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                     f"{row['ms']:9.3f} ms {row['peak_mib'] or 0:9.0f} MiB "
                     f"{row['tflops']:6.1f} TFLOP/s {errs}"
                     if "ms" in row
-                    else row["error"]
+                    else row.get("error") or row["skipped"]
                 ),
                 flush=True,
             )

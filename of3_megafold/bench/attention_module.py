@@ -12,11 +12,15 @@
 
 Providers: ``stock`` (OF3's torch path), ``of3-triton``
 (``use_triton_triangle_kernels``; triangle only, OF3 never passes it to the diffusion
-transformer), ``kit`` (the extensions that act on these modules forced on:
-``evoflash_attention`` for the core and, since session 12, ``evofusion_transitions``
-for OF3's 16-bit LayerNorm; before, ``evoflash_attention`` alone). Timing: the median of
-``triton.testing.do_bench`` after warm-up; peak memory above what was allocated
-before the call.
+transformer), ``of3-cueq`` and ``of3-deepspeed`` (OF3's ``use_cueq_triangle_kernels``
+and ``use_deepspeed_evo_attention``: cuEquivariance's and DeepSpeed's kernels through
+OF3's own glue, triangle only, since OF3 runs the diffusion transformer's attention in
+high precision, which those flags exclude; a missing package gets a ``skipped`` row,
+:mod:`of3_megafold.bench.rivals`), ``kit`` (the extensions that act on these
+modules forced on: ``evoflash_attention`` for the core and, since session 12,
+``evofusion_transitions`` for OF3's 16-bit LayerNorm; before, ``evoflash_attention``
+alone). Timing: the median of ``triton.testing.do_bench`` after warm-up; peak
+memory above what was allocated before the call.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 import torch
 
-from of3_megafold.bench import common
+from of3_megafold.bench import common, rivals
 
 TRIANGLE_N = (256, 384, 512, 768, 1024, 1536, 2048)
 DIFFUSION_N = (384, 768)
@@ -44,7 +48,11 @@ def _triangle(n: int, device) -> tuple[torch.nn.Module, dict, Callable[[str], di
     }
 
     def flags(provider: str) -> dict:
-        return {"use_triton_triangle_kernels": provider == "of3-triton"}
+        return {
+            "use_triton_triangle_kernels": provider == "of3-triton",
+            "use_cueq_triangle_kernels": provider == "of3-cueq",
+            "use_deepspeed_evo_attention": provider == "of3-deepspeed",
+        }
 
     return module, inputs, flags
 
@@ -79,8 +87,14 @@ CASES = {"triangle": (_triangle, TRIANGLE_N), "diffusion": (_diffusion, DIFFUSIO
 KIT = ("evoflash_attention", "evofusion_transitions")
 
 
+# OF3 flag providers that run another project's kernel -> that rival's name
+RIVAL_FLAGS = {"of3-cueq": "cueq", "of3-deepspeed": "deepspeed"}
+
+
 def _providers(case: str) -> tuple[str, ...]:
-    return ("stock", "of3-triton", "kit") if case == "triangle" else ("stock", "kit")
+    if case == "triangle":
+        return ("stock", "of3-triton", *RIVAL_FLAGS, "kit")
+    return ("stock", "kit")
 
 
 def _step(module, inputs: dict, kwargs: dict, grad_out: torch.Tensor):
@@ -97,7 +111,7 @@ def _step(module, inputs: dict, kwargs: dict, grad_out: torch.Tensor):
 def _describe(row: dict[str, Any]) -> str:
     head = f"{row['case']:9s} N={row['n']:5d} {row['provider']:11s}"
     if "ms" not in row:
-        return f"{head} {row.get('skipped', 'out of memory')}"
+        return f"{head} {row.get('skipped') or row.get('error') or 'out of memory'}"
     peak = row["peak_mib"]
     return f"{head} {row['ms']:9.3f} ms " + (
         f"{peak:9.0f} MiB" if peak is not None else "(no CUDA peak)"
@@ -130,9 +144,15 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                     rows.append({**row, "skipped": kit_reason})
                     common.append_rows(out_json, rows[-1:])
                     continue
+                skipped = None
                 if provider == "of3-triton" and not on_gpu:
-                    rows.append({**row, "skipped": "OF3's Triton kernel needs CUDA"})
+                    skipped = "OF3's Triton kernel needs CUDA"
+                elif provider in RIVAL_FLAGS:
+                    skipped = rivals.unavailable(RIVAL_FLAGS[provider])
+                if skipped:
+                    rows.append({**row, "skipped": skipped})
                     common.append_rows(out_json, rows[-1:])
+                    print(_describe(rows[-1]), flush=True)
                     continue
                 activate(force=KIT if provider == "kit" else ())
                 step, leaves = _step(module, inputs, flags(provider), grad_out)
@@ -142,9 +162,12 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                     )
                     row.update(ms=timing.ms, peak_mib=timing.peak_mib)
                 except Exception as err:  # noqa: BLE001 (OOM is a result here)
-                    if not common.is_out_of_memory(err):
+                    if common.is_out_of_memory(err):
+                        row["oom"] = True
+                    elif provider in RIVAL_FLAGS:  # e.g. its build failing
+                        row["error"] = f"{type(err).__name__}: {err}"[:200]
+                    else:
                         raise
-                    row["oom"] = True
                 finally:
                     activate()
                     common.free_device_memory()

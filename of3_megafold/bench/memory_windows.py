@@ -72,8 +72,9 @@ class MemoryWindows:
     peak_and_reset: Callable[[], int] | None = None
     functions: dict[str, tuple[object, str]] = field(default_factory=dict)
     windows: list[Window] = field(default_factory=list)
-    _last: tuple[str, str] = field(default=("start", "forward"), init=False,
-                                   repr=False)  # (label, phase) of the last event
+    _last: tuple[str, str] = field(
+        default=("start", "forward"), init=False, repr=False
+    )  # (label, phase) of the last event
     _recording: bool = field(default=False, init=False, repr=False)
 
     def _read(self) -> int:
@@ -102,10 +103,16 @@ class MemoryWindows:
                 if name.count(".") + 1 > self.depth:
                     continue
                 name = ".".join(part for part in (prefix, name) if part) or "model"
-                handles.append(module.register_forward_pre_hook(
-                    lambda _m, _a, name=name: self._event(f"enter {name}")))
-                handles.append(module.register_forward_hook(
-                    lambda _m, _a, out, name=name: self._leave(name, out)))
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda _m, _a, name=name: self._event(f"enter {name}")
+                    )
+                )
+                handles.append(
+                    module.register_forward_hook(
+                        lambda _m, _a, out, name=name: self._leave(name, out)
+                    )
+                )
         originals = []
         for label, (owner, attribute) in self.functions.items():
             original = getattr(owner, attribute)
@@ -152,10 +159,15 @@ class MemoryWindows:
         """Text lines: the overall peak, then the top windows."""
         if not self.windows:
             return ["no windows recorded"]
-        lines = [f"peak {max(w.peak for w in self.windows) / GIB:.2f} GiB over "
-                 f"{len(self.windows)} windows; the highest:"]
-        lines += [f"  {w.peak / GIB:7.2f} GiB  {w.phase:8s} after {w.after}, "
-                  f"before {w.before}" for w in self.top(count)]
+        lines = [
+            f"peak {max(w.peak for w in self.windows) / GIB:.2f} GiB over "
+            f"{len(self.windows)} windows; the highest:"
+        ]
+        lines += [
+            f"  {w.peak / GIB:7.2f} GiB  {w.phase:8s} after {w.after}, "
+            f"before {w.before}"
+            for w in self.top(count)
+        ]
         return lines
 
 
@@ -164,8 +176,11 @@ def _first_grad_tensor(output) -> torch.Tensor | None:
     lists, dicts, nested)."""
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None
-    items = output.values() if isinstance(output, dict) else (
-        output if isinstance(output, (tuple, list)) else ())
+    items = (
+        output.values()
+        if isinstance(output, dict)
+        else (output if isinstance(output, (tuple, list)) else ())
+    )
     for item in items:
         found = _first_grad_tensor(item)
         if found is not None:

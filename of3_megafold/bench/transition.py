@@ -5,7 +5,11 @@ Providers, side by side in one process on the same weights and inputs:
 - ``of3-eager``: OF3's own ``SwiGLUTransition`` module;
 - ``of3-compile``: the same module under ``torch.compile`` (default mode);
 - ``kit``: :func:`of3_megafold.kernels.swiglu_transition.swiglu_transition` on the
-  module's parameters.
+  module's parameters;
+- ``liger``: the module's parameters through Liger-Kernel's LayerNorm and
+  ``silu(a) * b`` kernels and torch's linears
+  (:func:`of3_megafold.bench.rivals.liger_swiglu_transition`); a ``skipped`` row
+  names the package when it is missing.
 
 Cases: the pair transition (``c=128, n=4``, ``x [1, N, N, 128]``) at N = 384, 768,
 1024 and the single transition (``c=384, n=4``, ``x [1, N, 384]``) at N = 384, 768;
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from of3_megafold.bench import rivals
 from of3_megafold.bench.common import append_rows, environment_metadata, timed_peak
 
 PAIR_SIZES = (384, 768, 1024)
@@ -80,6 +85,12 @@ def _step_fn(provider: str, module: torch.nn.Module, x, mask, dy):
         def forward():
             return compiled(x, mask=mask)
 
+    elif provider == "liger":
+        liger = rivals.liger_swiglu_transition(module)
+
+        def forward():
+            return liger(x, mask)
+
     else:
         ln, sw, out = module.layer_norm, module.swiglu, module.linear_out
         weights = (ln.weight, ln.bias, sw.linear_a.weight, sw.linear_b.weight)
@@ -106,7 +117,9 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16
-    providers = ("of3-eager", "of3-compile", "kit") if on_gpu else ("of3-eager", "kit")
+    providers = (
+        ("of3-eager", "of3-compile", "kit", "liger") if on_gpu else ("of3-eager", "kit")
+    )
     meta = environment_metadata(device)
     rows: list[dict[str, Any]] = []
     for case in _cases(quick, on_gpu):
@@ -128,11 +141,17 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                 dtype=str(dtype).removeprefix("torch."),
                 mode="fwd+bwd",
             )
+            skipped = None
+            if provider in rivals.RIVALS:
+                skipped = rivals.unavailable(provider)
             try:
-                step = _step_fn(provider, module, x, mask, dy)
-                timing = timed_peak(step)
-                row.update(ms=timing.ms, peak_mib=timing.peak_mib)
-                row["tflops"] = 18 * m * c * (n * c) / (timing.ms * 1e-3) / 1e12
+                if skipped:
+                    row["skipped"] = skipped
+                else:
+                    step = _step_fn(provider, module, x, mask, dy)
+                    timing = timed_peak(step)
+                    row.update(ms=timing.ms, peak_mib=timing.peak_mib)
+                    row["tflops"] = 18 * m * c * (n * c) / (timing.ms * 1e-3) / 1e12
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "out of memory"
             gc.collect()
@@ -147,7 +166,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
                     f"{row['ms']:8.3f} ms {row['peak_mib'] or 0:8.0f} MiB "
                     f"{row['tflops']:6.1f} TFLOP/s"
                     if "ms" in row
-                    else row["error"]
+                    else row.get("error") or row["skipped"]
                 ),
                 flush=True,
             )
