@@ -46,7 +46,8 @@ fi
 # nvidia-cutlass wheel, the build kept beside the wheels
 if [ -d "$SITE/cutlass_library/source" ]; then
     export CUTLASS_PATH="$SITE/cutlass_library/source" TORCH_EXTENSIONS_DIR="$SITE/.torch-extensions"
-    export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+    # DeepSpeed's builder cannot parse the image's "9.0a"; the op has no sm_90a code
+    export TORCH_CUDA_ARCH_LIST=9.0
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 # EvoFlash keeps its autotuning choices in Triton's cache (cache_results): bring the
