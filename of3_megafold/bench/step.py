@@ -25,8 +25,10 @@ A *provider* is a model-config update, a nested dict merged into OF3's model con
 exactly like ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``,
 ``stock-triton`` turns on OF3's own Triton triangle-attention kernel, ``kit`` turns
 on every available kit extension, and each kit extension is also a provider of its
-own name. All providers run in one process on the same weights (same seed) and the
-same batch, so their times and losses can be compared directly.
+own name. ``stock-cueq`` and ``stock-deepspeed`` turn on OF3's flags for
+cuEquivariance's and DeepSpeed's kernels; they run only when named. All providers
+run in one process on the same weights (same seed) and the same batch, so their
+times and losses can be compared directly.
 
 Determinism: before every step the Python, NumPy and torch generators are reseeded
 and OF3's ``model.synced_generator`` (which draws the number of recycles in
@@ -74,6 +76,20 @@ PROVIDERS: dict[str, dict] = {
     "stock-triton": {
         "settings": {"memory": {"train": {"use_triton_triangle_kernels": True}}}
     },
+}
+
+# OF3's flags for other projects' kernels (cuEquivariance: its triangle attention and
+# triangle multiplication; DeepSpeed: its evoformer attention) -> (the rival in
+# of3_megafold.bench.rivals, the update). Run only when named: never a default.
+RIVAL_PROVIDERS: dict[str, tuple[str, dict]] = {
+    "stock-cueq": (
+        "cueq",
+        {"settings": {"memory": {"train": {"use_cueq_triangle_kernels": True}}}},
+    ),
+    "stock-deepspeed": (
+        "deepspeed",
+        {"settings": {"memory": {"train": {"use_deepspeed_evo_attention": True}}}},
+    ),
 }
 
 # Config name -> update applied on top of OF3's default config + `train` preset.
@@ -207,6 +223,13 @@ def provider_availability(name: str, device: torch.device | str) -> tuple[bool, 
         if device.type != "cuda":
             return False, "OF3's Triton triangle kernel needs a CUDA device"
         return True, ""
+    if name in RIVAL_PROVIDERS:
+        from of3_megafold.bench import rivals
+
+        reason = rivals.unavailable(RIVAL_PROVIDERS[name][0])
+        if reason is None and device.type != "cuda":
+            reason = f"{name} needs a CUDA device"
+        return reason is None, reason or ""
     extensions = _registry_extensions()
     if name == "kit":
         if any(ok for _, ok, _ in extensions.values()):
@@ -218,7 +241,7 @@ def provider_availability(name: str, device: torch.device | str) -> tuple[bool, 
     if name in extensions:
         _, ok, reason = extensions[name]
         return ok, reason
-    known = ", ".join(sorted({*PROVIDERS, "kit", *extensions}))
+    known = ", ".join(sorted({*PROVIDERS, *RIVAL_PROVIDERS, "kit", *extensions}))
     return False, f"unknown provider {name!r}; known providers: {known}"
 
 
@@ -241,6 +264,8 @@ def provider_update(name: str, device: torch.device | str) -> dict:
         raise ValueError(f"provider {name!r} is unavailable: {reason}")
     if name in PROVIDERS:
         return copy.deepcopy(PROVIDERS[name])
+    if name in RIVAL_PROVIDERS:
+        return copy.deepcopy(RIVAL_PROVIDERS[name][1])
     return kit_provider_updates()[name]
 
 
@@ -932,8 +957,9 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     "-p",
     "providers",
     multiple=True,
-    help="Provider to run (repeatable): stock, stock-triton, kit, or an "
-    "extension name. Default: every provider available here.",
+    help="Provider to run (repeatable): stock, stock-triton, stock-cueq, "
+    "stock-deepspeed, kit, or an extension name. Default: every provider available "
+    "here except stock-cueq and stock-deepspeed.",
 )
 @click.option(
     "--tokens",

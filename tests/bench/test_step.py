@@ -359,3 +359,22 @@ def test_step_command(tmp_path, no_registry):
     (row,) = json.loads(out.read_text())
     assert row["provider"] == "stock" and row["n_token"] == 16
     assert "stock" in result.output.splitlines()[-1]
+
+
+def test_rival_providers_run_only_when_named(no_registry, monkeypatch):
+    from of3_megafold.bench import rivals
+
+    assert "stock-cueq" not in step.available_providers("cuda")
+    monkeypatch.setattr(rivals, "unavailable", lambda name: None)
+    assert step.provider_availability("stock-cueq", "cuda") == (True, "")
+    ok, reason = step.provider_availability("stock-cueq", "cpu")
+    assert not ok and "CUDA" in reason
+    config = step.build_model_config(
+        "tiny", step.provider_update("stock-deepspeed", "cuda")
+    )
+    assert config.settings.memory.train.use_deepspeed_evo_attention is True
+    config = step.build_model_config("tiny", step.provider_update("stock-cueq", "cuda"))
+    assert config.settings.memory.train.use_cueq_triangle_kernels is True
+    monkeypatch.setattr(rivals, "unavailable", lambda name: f"{name}: not installed")
+    with pytest.raises(ValueError, match="cueq: not installed"):
+        step.provider_update("stock-cueq", "cuda")
