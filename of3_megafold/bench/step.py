@@ -25,8 +25,10 @@ A *provider* is a model-config update, a nested dict merged into OF3's model con
 exactly like ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``,
 ``stock-triton`` turns on OF3's own Triton triangle-attention kernel, ``kit`` turns
 on every available kit extension, and each kit extension is also a provider of its
-own name. ``stock-cueq`` and ``stock-deepspeed`` turn on OF3's flags for
-cuEquivariance's and DeepSpeed's kernels; they run only when named. All providers
+own name. ``stock-cueq`` (``-tf32``: with TF32 matmuls, which its fp32 backward
+needs) and ``stock-deepspeed`` turn on OF3's flags for cuEquivariance's and
+DeepSpeed's kernels; they run only when named, and a failure of theirs is a row's
+``error``. All providers
 run in one process on the same weights (same seed) and the same batch, so their
 times and losses can be compared directly.
 
@@ -80,17 +82,33 @@ PROVIDERS: dict[str, dict] = {
 
 # OF3's flags for other projects' kernels (cuEquivariance: its triangle attention and
 # triangle multiplication; DeepSpeed: its evoformer attention) -> (the rival in
-# of3_megafold.bench.rivals, the update). Run only when named: never a default.
-RIVAL_PROVIDERS: dict[str, tuple[str, dict]] = {
-    "stock-cueq": (
-        "cueq",
-        {"settings": {"memory": {"train": {"use_cueq_triangle_kernels": True}}}},
-    ),
+# of3_megafold.bench.rivals, the update, TF32 matmuls on). Run only when named,
+# never by default. cuEquivariance's triangle-attention backward refuses fp32 inputs
+# unless TF32 matmuls are allowed (its error says so), and OF3 runs some of its
+# attention in fp32: ``stock-cueq-tf32`` allows them, for the whole step, as a user
+# would have to.
+_CUEQ = {"settings": {"memory": {"train": {"use_cueq_triangle_kernels": True}}}}
+RIVAL_PROVIDERS: dict[str, tuple[str, dict, bool]] = {
+    "stock-cueq": ("cueq", _CUEQ, False),
+    "stock-cueq-tf32": ("cueq", _CUEQ, True),
     "stock-deepspeed": (
         "deepspeed",
         {"settings": {"memory": {"train": {"use_deepspeed_evo_attention": True}}}},
+        False,
     ),
 }
+
+
+@contextlib.contextmanager
+def _matmul_tf32(enabled: bool):
+    """TF32 fp32 matmuls on inside, if ``enabled``; the setting restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = before or enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
 
 # Config name -> update applied on top of OF3's default config + `train` preset.
 CONFIGS: dict[str, dict] = {
@@ -624,14 +642,40 @@ def _measure(
     """Warm-up steps, then ``repeats`` timed steps (and one profiled step).
 
     Returns the row fields; ``oom`` is True (and the timings ``None``) when a step
-    does not fit. Memory is freed before returning in either case.
+    does not fit, and a rival provider's failure is an ``error`` field rather than
+    an exception. Memory is freed before returning in any case.
     """
+    rival = RIVAL_PROVIDERS.get(harness.provider)
+    with _matmul_tf32(bool(rival and rival[2])):
+        return _measure_steps(
+            harness,
+            n_token,
+            n_msa,
+            n_templ,
+            warmup,
+            repeats,
+            count_launches,
+            rival is not None,
+        )
+
+
+def _measure_steps(
+    harness: TrainingStepHarness,
+    n_token: int,
+    n_msa: int,
+    n_templ: int,
+    warmup: int,
+    repeats: int,
+    count_launches: bool,
+    errors_are_results: bool,
+) -> dict[str, Any]:
     batch = random_training_batch(n_token, n_msa, n_templ, harness.device, harness.seed)
     n_atom = int(batch["atom_mask"].shape[-1])
     results: list[StepResult] = []
     launches = None
     first_ms = None
     out_of_memory = False
+    failure = None
     try:
         for index in range(warmup + repeats):
             result = harness.step(batch)
@@ -640,10 +684,13 @@ def _measure(
             if index >= warmup:
                 results.append(result)
     except Exception as error:
-        if not is_out_of_memory(error):
+        if is_out_of_memory(error):
+            out_of_memory = True
+        elif errors_are_results:
+            failure = f"{type(error).__name__}: {str(error).strip()}"[:300]
+        else:
             raise
-        out_of_memory = True
-    if count_launches and not out_of_memory:
+    if count_launches and not (out_of_memory or failure):
         try:
             launches = harness.count_launches(batch)
         except Exception as error:
@@ -660,8 +707,13 @@ def _measure(
     del batch
     harness.model.zero_grad(set_to_none=True)
     free_device_memory()
-    if out_of_memory:
-        return {"n_atom": n_atom, "oom": True, "ms": None, "first_step_ms": first_ms}
+    if out_of_memory or failure:
+        fields = {"n_atom": n_atom, "oom": out_of_memory, "ms": None}
+        return {
+            **fields,
+            "first_step_ms": first_ms,
+            **({"error": failure} if failure else {}),
+        }
     last = results[-1]
     peaks = [r.peak_gib for r in results if r.peak_gib is not None]
     return {
@@ -821,7 +873,7 @@ def run_step_bench(
                 fields = _measure(
                     harness, n_token, n_msa, n_templ, warmup, repeats, count
                 )
-                decided = too_big if fields["oom"] else fits
+                decided = too_big if fields["oom"] or "error" in fields else fits
                 decided[provider].append(n_token)
                 emit(_row(harness, "step", n_token, n_msa, n_templ, metadata, **fields))
                 _log_row(rows[-1])
@@ -879,8 +931,9 @@ def _run_max_crop(
 
 
 def _log_row(row: Mapping[str, Any]) -> None:
-    if row.get("oom"):
-        logger.info("%s @ %d tokens: out of memory", row["provider"], row["n_token"])
+    if row.get("oom") or row.get("error"):
+        what = row.get("error") or "out of memory"
+        logger.info("%s @ %d tokens: %s", row["provider"], row["n_token"], what)
         return
     logger.info(
         "%s @ %d tokens: %.1f ms/step, peak %s GiB, %s launches, loss %.4f",
@@ -958,8 +1011,8 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     "providers",
     multiple=True,
     help="Provider to run (repeatable): stock, stock-triton, stock-cueq, "
-    "stock-deepspeed, kit, or an extension name. Default: every provider available "
-    "here except stock-cueq and stock-deepspeed.",
+    "stock-cueq-tf32, stock-deepspeed, kit, or an extension name. Default: every "
+    "provider available here except the stock-cueq and stock-deepspeed ones.",
 )
 @click.option(
     "--tokens",

@@ -378,3 +378,28 @@ def test_rival_providers_run_only_when_named(no_registry, monkeypatch):
     monkeypatch.setattr(rivals, "unavailable", lambda name: f"{name}: not installed")
     with pytest.raises(ValueError, match="cueq: not installed"):
         step.provider_update("stock-cueq", "cuda")
+
+
+def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(monkeypatch):
+    seen = []
+
+    class _Harness:
+        provider = "stock-cueq-tf32"
+        device = torch.device("cpu")
+        seed = 0
+        model = torch.nn.Linear(1, 1)
+
+        def step(self, batch):
+            seen.append(torch.backends.cuda.matmul.allow_tf32)
+            raise RuntimeError("fp32 backward is not implemented\nmore")
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    fields = step._measure(_Harness(), 16, 4, 1, 0, 1, False)
+    assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before
+    assert fields["error"].startswith("RuntimeError: fp32 backward")
+    assert fields["ms"] is None and fields["oom"] is False
+
+    _Harness.provider = "stock"  # OF3's own path: a failure is a failure
+    with pytest.raises(RuntimeError, match="fp32 backward"):
+        step._measure(_Harness(), 16, 4, 1, 0, 1, False)
+    assert seen[-1] == before
