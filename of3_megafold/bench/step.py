@@ -646,8 +646,9 @@ def _measure(
     an exception. Memory is freed before returning in any case.
     """
     rival = RIVAL_PROVIDERS.get(harness.provider)
-    with _matmul_tf32(bool(rival and rival[2])):
-        return _measure_steps(
+    tf32 = bool(rival and rival[2])
+    with _matmul_tf32(tf32):
+        fields = _measure_steps(
             harness,
             n_token,
             n_msa,
@@ -657,6 +658,7 @@ def _measure(
             count_launches,
             rival is not None,
         )
+    return {**fields, "tf32_matmuls": True} if tf32 else fields
 
 
 def _measure_steps(
@@ -982,9 +984,15 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         peak = row.get("peak_gib")
         loss = (row.get("loss") or {}).get("loss")
         grad = row.get("grad_norm")
+        if row.get("oom"):
+            seconds = "OOM"
+        elif ms is None:
+            seconds = "error"  # a rival provider's failure: the row's "error"
+        else:
+            seconds = f"{ms / 1e3:.2f}"
         lines.append(
             f"{row['provider']:<16} {row['mode']:<15} {row['n_token']:>6} "
-            f"{'OOM' if row.get('oom') else f'{ms / 1e3:.2f}':>8} "
+            f"{seconds:>8} "
             f"{'' if peak is None else f'{peak:.1f}':>8} "
             f"{'' if row.get('launches') is None else row['launches']:>9} "
             f"{'' if loss is None else f'{loss:.4f}':>9} "

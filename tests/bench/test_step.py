@@ -339,12 +339,21 @@ def test_format_table_lists_every_row():
             "oom": True,
         },
         {"provider": "stock", "mode": "max_crop", "n_token": 768, "max_crop": 768},
+        {
+            "provider": "stock-cueq",
+            "mode": "step",
+            "n_token": 768,
+            "ms": None,
+            "oom": False,
+            "error": "RuntimeError: not implemented",
+        },
     ]
     table = step.format_table(rows).splitlines()
-    assert len(table) == 4
+    assert len(table) == 5
     assert "7.54" in table[1] and "140409" in table[1]
     assert "OOM" in table[2]
     assert table[3].split()[-1] == "768"
+    assert table[4].split()[3] == "error"
 
 
 def test_step_command(tmp_path, no_registry):
@@ -397,7 +406,7 @@ def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(monkeypatch):
     fields = step._measure(_Harness(), 16, 4, 1, 0, 1, False)
     assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before
     assert fields["error"].startswith("RuntimeError: fp32 backward")
-    assert fields["ms"] is None and fields["oom"] is False
+    assert fields["ms"] is None and fields["oom"] is False and fields["tf32_matmuls"]
 
     _Harness.provider = "stock"  # OF3's own path: a failure is a failure
     with pytest.raises(RuntimeError, match="fp32 backward"):
