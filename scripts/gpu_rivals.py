@@ -41,18 +41,21 @@ def main() -> None:
     args = parser.parse_args()
     activate()
     if "core" in args.what:
-        attention_core.TRIANGLE_SIZES = CORE_TRIANGLE
-        attention_core.DIFFUSION_SIZES = CORE_DIFFUSION
-        attention_core.PROVIDERS = CORE_PROVIDERS
-        attention_core.run(args.out_dir / "attention_core.json")
+        attention_core.run(
+            args.out_dir / "attention_core.json",
+            sizes={"triangle": CORE_TRIANGLE, "diffusion": CORE_DIFFUSION},
+            providers=CORE_PROVIDERS,
+        )
     if "module" in args.what:
-        build, _ = attention_module.CASES["triangle"]
-        attention_module.CASES = {"triangle": (build, MODULE_TRIANGLE)}
-        attention_module.run(args.out_dir / "attention_module.json")
+        attention_module.run(
+            args.out_dir / "attention_module.json",
+            sizes={"triangle": MODULE_TRIANGLE, "diffusion": ()},
+        )
     if "transition" in args.what:
-        transition.PAIR_SIZES = TRANSITION_PAIR
-        transition.SINGLE_SIZES = ()
-        transition.run(args.out_dir / "transition.json")
+        transition.run(
+            args.out_dir / "transition.json",
+            sizes={"pair": TRANSITION_PAIR, "single": ()},
+        )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ difference). A provider that runs out of memory gets ``error: out of memory``.
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,14 @@ PROVIDERS = (
 GRAD_NAMES = ("o", "dq", "dk", "dv", "dbias")
 
 
-def _cases(quick: bool, on_gpu: bool) -> list[dict[str, Any]]:
+def _cases(
+    quick: bool, on_gpu: bool, sizes: Mapping[str, Sequence[int]] | None = None
+) -> list[dict[str, Any]]:
     if not on_gpu:  # CPU smoke run through the Triton interpreter
         return [dict(case="triangle", shape=(1, 16, 16, 2, 16))]
-    tri = (512, 1024) if quick else TRIANGLE_SIZES
-    dif = (768,) if quick else DIFFUSION_SIZES
+    sizes = {"triangle": TRIANGLE_SIZES, "diffusion": DIFFUSION_SIZES, **(sizes or {})}
+    tri = (512, 1024) if quick else sizes["triangle"]
+    dif = (768,) if quick else sizes["diffusion"]
     cases = [dict(case="triangle", shape=(1, n, n, 4, 32)) for n in tri] + [
         dict(case="diffusion", shape=(1, 48, n, 16, 48)) for n in dif
     ]
@@ -212,19 +216,30 @@ def _errors(forward, q, k, v, mask_bias, pair_bias, do) -> dict[str, float]:
     }
 
 
-def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
+def run(
+    out_json: Path,
+    quick: bool = False,
+    *,
+    sizes: Mapping[str, Sequence[int]] | None = None,
+    providers: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
     """Time every provider on every shape and append the rows to ``out_json``.
 
     ``quick``: triangle N = 512, 1024 and diffusion N = 768 (on CPU: one tiny
     triangle shape through the Triton interpreter, ``torch`` and ``kit`` only).
+    ``sizes``: N per case (``triangle``, ``diffusion``; the diffusion-hp case follows
+    ``diffusion``) instead of the defaults; ``providers``: a subset of
+    :data:`PROVIDERS` (GPU runs).
     """
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16
-    providers = PROVIDERS if on_gpu else ("torch", "kit")
+    if not on_gpu:
+        providers = ("torch", "kit")
+    providers = PROVIDERS if providers is None else tuple(providers)
     meta = environment_metadata(device)
     rows: list[dict[str, Any]] = []
-    for index, case in enumerate(_cases(quick, on_gpu)):
+    for index, case in enumerate(_cases(quick, on_gpu, sizes)):
         shape = case["shape"]
         B, S, N, H, D = shape
         flops = 3.5 * 4 * B * S * H * N * N * D

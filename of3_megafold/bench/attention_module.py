@@ -25,7 +25,7 @@ memory above what was allocated before the call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +118,17 @@ def _describe(row: dict[str, Any]) -> str:
     )
 
 
-def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
-    """Time every case and provider; append the rows to ``out_json``."""
+def run(
+    out_json: Path,
+    quick: bool = False,
+    *,
+    sizes: Mapping[str, Sequence[int]] | None = None,
+) -> list[dict[str, Any]]:
+    """Time every case and provider; append the rows to ``out_json``.
+
+    ``sizes``: N per case (``triangle``, ``diffusion``) instead of the defaults; an
+    empty list leaves the case out.
+    """
     from of3_megafold import activate, registry
 
     on_gpu = torch.cuda.is_available()
@@ -131,8 +140,9 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
         ok, reason = registry.get(name).available()
         if not ok:
             kit_ok, kit_reason = False, reason
-    for case, (build, sizes) in CASES.items():
-        for n in sizes[:1] if quick else sizes:
+    for case, (build, default_sizes) in CASES.items():
+        case_sizes = (sizes or {}).get(case, default_sizes)
+        for n in case_sizes[:1] if quick else case_sizes:
             if not on_gpu:
                 n = min(n, 16)
             module, inputs, flags = build(n, device)

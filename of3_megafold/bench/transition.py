@@ -25,6 +25,7 @@ not the kit's recomputation.
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,14 @@ PAIR_SIZES = (384, 768, 1024)
 SINGLE_SIZES = (384, 768)
 
 
-def _cases(quick: bool, on_gpu: bool) -> list[dict[str, Any]]:
+def _cases(
+    quick: bool, on_gpu: bool, sizes: Mapping[str, Sequence[int]] | None = None
+) -> list[dict[str, Any]]:
     if not on_gpu:  # CPU smoke run: the interpreter is slow
         return [dict(case="pair", shape=(1, 16, 16, 32), c=32, n=4)]
-    pair = (768,) if quick else PAIR_SIZES
-    single = (384,) if quick else SINGLE_SIZES
+    sizes = {"pair": PAIR_SIZES, "single": SINGLE_SIZES, **(sizes or {})}
+    pair = (768,) if quick else sizes["pair"]
+    single = (384,) if quick else sizes["single"]
     return [dict(case="pair", shape=(1, n, n, 128), c=128, n=4) for n in pair] + [
         dict(case="single", shape=(1, n, 384), c=384, n=4) for n in single
     ]
@@ -108,11 +112,17 @@ def _step_fn(provider: str, module: torch.nn.Module, x, mask, dy):
     return step
 
 
-def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
+def run(
+    out_json: Path,
+    quick: bool = False,
+    *,
+    sizes: Mapping[str, Sequence[int]] | None = None,
+) -> list[dict[str, Any]]:
     """Time every provider on every case and append the rows to ``out_json``.
 
     ``quick``: pair N=768 and single N=384 only (on CPU: one tiny case through the
-    Triton interpreter, eager and kit only).
+    Triton interpreter, eager and kit only). ``sizes``: N per case (``pair``,
+    ``single``) instead of the defaults; an empty list leaves the case out.
     """
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -122,7 +132,7 @@ def run(out_json: Path, quick: bool = False) -> list[dict[str, Any]]:
     )
     meta = environment_metadata(device)
     rows: list[dict[str, Any]] = []
-    for case in _cases(quick, on_gpu):
+    for case in _cases(quick, on_gpu, sizes):
         shape, c, n = case["shape"], case["c"], case["n"]
         m = 1
         for s in shape[:-1]:
