@@ -109,7 +109,7 @@ def _step(module, inputs: dict, kwargs: dict, grad_out: torch.Tensor):
 
 
 def _describe(row: dict[str, Any]) -> str:
-    head = f"{row['case']:9s} N={row['n']:5d} {row['provider']:11s}"
+    head = f"{row['case']:9s} N={row['n']:5d} {row['provider']:13s}"
     if "ms" not in row:
         return f"{head} {row.get('skipped') or row.get('error') or 'out of memory'}"
     peak = row["peak_mib"]
