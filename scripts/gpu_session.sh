@@ -12,6 +12,11 @@
 #       "evoflash.every@150 --every-config --no-check --sizes --no-diffusion --no-trunk"
 # Several sessions may run at once on a multi-GPU machine (CUDA_VISIBLE_DEVICES, own
 # OUT): the wheels are installed once.
+# The kit against cuEquivariance, DeepSpeed and Liger-Kernel (session 16): carry
+# .whl, then .whl-rivals-1, then .whl-rivals-2, one folder per call, each call with
+# OF3MF_SITE=$PWD/.site; build DeepSpeed's op once (ds-build, ~8 min), then
+#   OF3MF_SITE=$PWD/.site bash scripts/gpu_session.sh rivals \
+#       "step --providers stock-cueq-tf32,kit,stock-triton --tokens 768 --no-max-crop"
 set -uo pipefail
 OUT="${OUT:-/tmp/of3mf-out}"
 mkdir -p "$OUT"
