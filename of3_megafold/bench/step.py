@@ -101,13 +101,15 @@ RIVAL_PROVIDERS: dict[str, tuple[str, dict, bool]] = {
 
 @contextlib.contextmanager
 def _matmul_tf32(enabled: bool):
-    """TF32 fp32 matmuls on inside, if ``enabled``; the setting restored after."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = before or enabled
+    """Inside, fp32 matmuls may use TF32 (float32 matmul precision ``high``) if
+    ``enabled``; the precision is restored on leaving."""
+    before = torch.get_float32_matmul_precision()
+    if enabled and before == "highest":
+        torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        torch.set_float32_matmul_precision(before)
 
 
 # Config name -> update applied on top of OF3's default config + `train` preset.
@@ -643,34 +645,11 @@ def _measure(
 
     Returns the row fields; ``oom`` is True (and the timings ``None``) when a step
     does not fit, and a rival provider's failure is an ``error`` field rather than
-    an exception. Memory is freed before returning in any case.
+    an exception. ``matmul_precision`` is read while the steps run (a rival provider
+    may switch TF32 on for them). Memory is freed before returning in any case.
     """
     rival = RIVAL_PROVIDERS.get(harness.provider)
     tf32 = bool(rival and rival[2])
-    with _matmul_tf32(tf32):
-        fields = _measure_steps(
-            harness,
-            n_token,
-            n_msa,
-            n_templ,
-            warmup,
-            repeats,
-            count_launches,
-            rival is not None,
-        )
-    return {**fields, "tf32_matmuls": True} if tf32 else fields
-
-
-def _measure_steps(
-    harness: TrainingStepHarness,
-    n_token: int,
-    n_msa: int,
-    n_templ: int,
-    warmup: int,
-    repeats: int,
-    count_launches: bool,
-    errors_are_results: bool,
-) -> dict[str, Any]:
     batch = random_training_batch(n_token, n_msa, n_templ, harness.device, harness.seed)
     n_atom = int(batch["atom_mask"].shape[-1])
     results: list[StepResult] = []
@@ -679,22 +658,25 @@ def _measure_steps(
     out_of_memory = False
     failure = None
     try:
-        for index in range(warmup + repeats):
-            result = harness.step(batch)
-            if index == 0:
-                first_ms = result.ms
-            if index >= warmup:
-                results.append(result)
+        with _matmul_tf32(tf32):
+            matmul_precision = torch.get_float32_matmul_precision()
+            for index in range(warmup + repeats):
+                result = harness.step(batch)
+                if index == 0:
+                    first_ms = result.ms
+                if index >= warmup:
+                    results.append(result)
     except Exception as error:
         if is_out_of_memory(error):
             out_of_memory = True
-        elif errors_are_results:
+        elif rival is not None:
             failure = f"{type(error).__name__}: {str(error).strip()}"[:300]
         else:
             raise
     if count_launches and not (out_of_memory or failure):
         try:
-            launches = harness.count_launches(batch)
+            with _matmul_tf32(tf32):
+                launches = harness.count_launches(batch)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -709,17 +691,16 @@ def _measure_steps(
     del batch
     harness.model.zero_grad(set_to_none=True)
     free_device_memory()
+    fields = {"n_atom": n_atom, "matmul_precision": matmul_precision}
     if out_of_memory or failure:
-        fields = {"n_atom": n_atom, "oom": out_of_memory, "ms": None}
-        return {
-            **fields,
-            "first_step_ms": first_ms,
-            **({"error": failure} if failure else {}),
-        }
+        fields.update(oom=out_of_memory, ms=None, first_step_ms=first_ms)
+        if failure:
+            fields["error"] = failure
+        return fields
     last = results[-1]
     peaks = [r.peak_gib for r in results if r.peak_gib is not None]
     return {
-        "n_atom": n_atom,
+        **fields,
         "oom": False,
         "ms": statistics.median(r.ms for r in results),
         "step_ms": [round(r.ms, 3) for r in results],

@@ -402,13 +402,15 @@ def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(monkeypatch):
             seen.append(torch.backends.cuda.matmul.allow_tf32)
             raise RuntimeError("fp32 backward is not implemented\nmore")
 
-    before = torch.backends.cuda.matmul.allow_tf32
+    before = torch.get_float32_matmul_precision()
+    assert before == "highest"  # the harness's default: IEEE fp32 matmuls
     fields = step._measure(_Harness(), 16, 4, 1, 0, 1, False)
-    assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before
+    assert seen == [True] and torch.get_float32_matmul_precision() == before
     assert fields["error"].startswith("RuntimeError: fp32 backward")
-    assert fields["ms"] is None and fields["oom"] is False and fields["tf32_matmuls"]
+    assert fields["ms"] is None and fields["oom"] is False
+    assert fields["matmul_precision"] == "high"  # as it was while the steps ran
 
     _Harness.provider = "stock"  # OF3's own path: a failure is a failure
     with pytest.raises(RuntimeError, match="fp32 backward"):
         step._measure(_Harness(), 16, 4, 1, 0, 1, False)
-    assert seen[-1] == before
+    assert seen[-1] is False
