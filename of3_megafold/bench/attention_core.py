@@ -272,7 +272,6 @@ def run(
                 high_precision=high_precision,
                 matmul_precision=torch.get_float32_matmul_precision(),
             )
-            inputs = forward = None
             try:
                 if skipped:
                     row["skipped"] = skipped
