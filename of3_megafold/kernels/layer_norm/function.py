@@ -57,26 +57,72 @@ def supports(x: torch.Tensor) -> bool:
             and runs_on(x))
 
 
+def layer_norm_fwd(
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward launcher: ``x2`` ``[R, C]`` contiguous, 16-bit; returns ``y`` (``x2``'s
+    dtype and shape) and the per-row fp32 ``mean`` and ``rstd`` (``[R]``)."""
+    rows, c = x2.shape
+    y = torch.empty_like(x2)
+    mean = torch.empty(rows, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty_like(mean)
+    block_c, block_r, warps = _blocks(c)
+    _fwd[(cdiv(rows, block_r),)](
+        x2, weight if weight is not None else x2, bias if bias is not None else x2,
+        y, mean, rstd, rows, c, eps,
+        HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+    return y, mean, rstd
+
+
+def layer_norm_bwd(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dwb: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward launcher: ``dy2`` and ``x2`` ``[R, C]`` contiguous; returns ``dx``
+    (``x2``'s dtype) and, with ``need_dwb``, the fp32 ``[C]`` gradients of the
+    weight and bias (per-program partials summed in a fixed order), else ``None``."""
+    rows, c = x2.shape
+    dx = torch.empty_like(x2)
+    block_c, block_r, warps = _blocks(c)
+    programs = max(1, min(_programs(x2.device.index), cdiv(rows, block_r)))
+    per_program = cdiv(rows, programs)
+    programs = cdiv(rows, per_program)
+    part = (torch.empty((2, programs, c), dtype=torch.float32, device=x2.device)
+            if need_dwb else None)
+    _bwd[(programs,)](
+        x2, weight if weight is not None else x2, dy2, mean, rstd, dx,
+        part[0] if part is not None else x2, part[1] if part is not None else x2,
+        rows, c, per_program,
+        HAS_W=weight is not None, NEED_DWB=part is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+    if part is None:
+        return dx, None, None
+    sums = part.sum(dim=1)  # over programs, in a fixed order
+    return dx, sums[0], sums[1]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.is_contiguous() else t2.contiguous()
+
+
 class LayerNormFunction(torch.autograd.Function):
     """Autograd function behind :func:`layer_norm` (same arguments)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        c = x.shape[-1]
-        x2 = x.reshape(-1, c)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        rows = x2.shape[0]
-        y = torch.empty_like(x2)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block_c, block_r, warps = _blocks(c)
-        _fwd[(cdiv(rows, block_r),)](
-            x2, weight if weight is not None else x2, bias if bias is not None else x2,
-            y, mean, rstd, rows, c, eps,
-            HAS_W=weight is not None, HAS_B=bias is not None,
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
-        )
+        x2 = _rows(x)
+        y, mean, rstd = layer_norm_fwd(x2, weight, bias, eps)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -84,31 +130,13 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        rows, c = x2.shape
-        dy2 = dy.reshape(-1, c)
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        dx = torch.empty_like(x2)
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
-        block_c, block_r, warps = _blocks(c)
-        programs = max(1, min(_programs(x2.device.index), cdiv(rows, block_r)))
-        per_program = cdiv(rows, programs)
-        programs = cdiv(rows, per_program)
-        part = (torch.empty((2, programs, c), dtype=torch.float32, device=x2.device)
-                if need_w or need_b else None)
-        _bwd[(programs,)](
-            x2, weight if weight is not None else x2, dy2, mean, rstd, dx,
-            part[0] if part is not None else x2, part[1] if part is not None else x2,
-            rows, c, per_program,
-            HAS_W=weight is not None, NEED_DWB=part is not None,
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        dx, dw, db = layer_norm_bwd(
+            _rows(dy), x2, weight, mean, rstd, need_dwb=need_w or need_b
         )
-        dw = db = None
-        if part is not None:
-            sums = part.sum(dim=1)  # over programs, in a fixed order
-            dw = sums[0].to(weight.dtype) if need_w else None
-            db = sums[1].to(bias.dtype) if need_b else None
+        dw = dw.to(weight.dtype) if need_w else None
+        db = db.to(bias.dtype) if need_b else None
         return dx.view(ctx.shape), dw, db, None
 
 

@@ -1,0 +1,328 @@
+"""Launchers, autograd function and functional API of the fused triangle
+multiplicative update.
+
+``triangle_multiplication(z, mask, <OF3's parameters>, outgoing)`` computes OF3's
+``TriangleMultiplicativeUpdate`` (reference: :mod:`.reference`) for a 16-bit ``z`` as
+
+1. ``x = LN_in(z)`` (the kit's LayerNorm kernel) and one GEMM of ``x`` with the five
+   projections' weights stacked, ``[B R, 4 C_h + C_z]``;
+2. ``_gate_fwd_kernel``: ``a`` and ``b`` gated and masked, written channel-major
+   ``[B, C_h, N, N]``, the layout of
+3. one batched GEMM per direction (cuBLAS), ``p = a b^T`` or ``a^T b`` per channel;
+4. ``_out_fwd_kernel``: ``LN_out(p) W_z^T`` and the output gate in one pass.
+
+OF3's module makes a copy for every permute, gate, mask product and LayerNorm round
+trip, and keeps most of them for its backward. This forward keeps ``z``, the input
+LayerNorm's fp32 statistics and ``p``; the backward recomputes ``x``, the
+projections and ``a``/``b`` (one LayerNorm, one GEMM and one elementwise pass) and
+writes the projections' gradients over the recomputed projections.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from of3_megafold.kernels._launch import TunedKernel
+from of3_megafold.kernels.backend import (
+    cdiv,
+    interpreter_enabled,
+    next_power_of_2,
+    runs_on,
+)
+from of3_megafold.kernels.layer_norm.function import layer_norm_bwd, layer_norm_fwd
+from of3_megafold.kernels.triangle_multiplication._kernels import (
+    _gate_bwd_kernel,
+    _gate_fwd_kernel,
+    _out_bwd_kernel,
+    _out_fwd_kernel,
+)
+from of3_megafold.kernels.triangle_multiplication.reference import (
+    triangle_multiplication_reference,
+)
+
+logger = logging.getLogger(__name__)
+
+DTYPES = (torch.bfloat16, torch.float16)
+# The output kernels hold a [C_h, C_z] tile of W_z in registers (OF3: 128 x 128 in
+# the pair stacks, 64 x 64 in the template stack).
+MAX_CHANNELS = 128
+
+_gate_fwd = TunedKernel(_gate_fwd_kernel)
+_gate_bwd = TunedKernel(_gate_bwd_kernel)
+_out_fwd = TunedKernel(_out_fwd_kernel)
+_out_bwd = TunedKernel(_out_bwd_kernel)
+
+
+def _gate_blocks(ch: int) -> dict:
+    return {"BLOCK_R": 16 if interpreter_enabled() else 64,
+            "BLOCK_C": min(64, max(16, next_power_of_2(ch))), "num_warps": 4}
+
+
+def _out_blocks(ch: int, cz: int, backward: bool) -> dict:
+    """Block sizes of the output kernels: ``BLOCK_R`` positions by every channel."""
+    block_ch, block_cz = max(16, next_power_of_2(ch)), max(16, next_power_of_2(cz))
+    block_r = 16 if interpreter_enabled() else 32 if backward else 64
+    return {"BLOCK_R": block_r, "BLOCK_CH": block_ch, "BLOCK_CZ": block_cz,
+            "num_warps": 8 if block_ch * block_cz >= 128 * 64 else 4}
+
+
+def gate_fwd(
+    proj: torch.Tensor, mask: torch.Tensor | None, batch: int, n: int, ch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a``, ``b`` ``[batch, ch, n, n]`` from ``proj`` ``[batch n n, 4 ch + c_z]``
+    and ``mask`` ``[batch n n]`` (or ``None``)."""
+    r = n * n
+    a_t = proj.new_empty((batch, ch, n, n))
+    b_t = torch.empty_like(a_t)
+    blocks = _gate_blocks(ch)
+    grid = (cdiv(r, blocks["BLOCK_R"]), cdiv(ch, blocks["BLOCK_C"]), batch)
+    _gate_fwd[grid](
+        proj, mask if mask is not None else proj, a_t, b_t, r, ch, proj.stride(0),
+        HAS_MASK=mask is not None, **blocks,
+    )
+    return a_t, b_t
+
+
+def gate_bwd(
+    proj: torch.Tensor,
+    mask: torch.Tensor | None,
+    da_t: torch.Tensor,
+    db_t: torch.Tensor,
+    ch: int,
+) -> None:
+    """Overwrite ``proj``'s ``a_p | a_g | b_p | b_g`` slots with their gradients,
+    given ``dA``/``dB`` ``[batch, ch, n, n]``."""
+    batch, _, n, _ = da_t.shape
+    r = n * n
+    blocks = _gate_blocks(ch)
+    grid = (cdiv(r, blocks["BLOCK_R"]), cdiv(ch, blocks["BLOCK_C"]), batch)
+    _gate_bwd[grid](
+        proj, mask if mask is not None else proj, da_t, db_t, r, ch, proj.stride(0),
+        HAS_MASK=mask is not None, **blocks,
+    )
+
+
+def out_fwd(
+    p: torch.Tensor,
+    proj: torch.Tensor,
+    ln_w: torch.Tensor,
+    ln_b: torch.Tensor,
+    w_z: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """``(LN_out(p) W_z^T) sigmoid(g)``, ``[batch n n, c_z]``, from ``p``
+    ``[batch, ch, n, n]`` and the gate's columns of ``proj`` ``[batch n n, 4 ch +
+    c_z]``."""
+    batch, ch, n, _ = p.shape
+    cz = w_z.shape[0]
+    r = n * n
+    out = p.new_empty((batch * r, cz))
+    blocks = _out_blocks(ch, cz, backward=False)
+    _out_fwd[(cdiv(r, blocks["BLOCK_R"]), batch)](
+        p, proj, ln_w, ln_b, w_z, out, r, ch, cz, proj.stride(0), eps, **blocks,
+    )
+    return out
+
+
+def out_bwd(
+    dout: torch.Tensor,
+    p: torch.Tensor,
+    proj: torch.Tensor,
+    ln_w: torch.Tensor,
+    ln_b: torch.Tensor,
+    w_z: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`out_fwd`: writes ``d(g)`` over ``proj``'s gate columns;
+    returns ``dP`` (``p``'s layout), ``dW_z`` and the fp32 LayerNorm weight and bias
+    gradients."""
+    batch, ch, n, _ = p.shape
+    cz = w_z.shape[0]
+    r = n * n
+    blocks = _out_blocks(ch, cz, backward=True)
+    tiles = cdiv(r, blocks["BLOCK_R"])
+    dp = torch.empty_like(p)
+    dy = p.new_empty((batch * r, cz))
+    ln = p.new_empty((batch * r, ch))
+    part = torch.empty((2, batch * tiles, ch), dtype=torch.float32, device=p.device)
+    _out_bwd[(tiles, batch)](
+        p, proj, ln_w, ln_b, w_z, dout, dp, dy, ln, part[0], part[1],
+        r, ch, cz, proj.stride(0), eps, **blocks,
+    )
+    dw_z = dy.t() @ ln
+    sums = part.sum(dim=1)  # over programs, in a fixed order
+    return dp, dw_z, sums[0], sums[1]
+
+
+def _bmm_operands(t: torch.Tensor) -> torch.Tensor:
+    batch, ch, n, _ = t.shape
+    return t.view(batch * ch, n, n)
+
+
+def _product(a_t, b_t, outgoing):
+    """``p = a b^T`` (outgoing) or ``a^T b`` (incoming), per channel."""
+    a3, b3 = _bmm_operands(a_t), _bmm_operands(b_t)
+    p = a3 @ b3.transpose(1, 2) if outgoing else a3.transpose(1, 2) @ b3
+    return p.view(a_t.shape)
+
+
+def _product_grads(dp, a_t, b_t, outgoing):
+    """``(dA, dB)`` of :func:`_product`."""
+    dp3, a3, b3 = _bmm_operands(dp), _bmm_operands(a_t), _bmm_operands(b_t)
+    if outgoing:
+        da, db = dp3 @ b3, dp3.transpose(1, 2) @ a3
+    else:
+        da, db = b3 @ dp3.transpose(1, 2), a3 @ dp3
+    return da.view(a_t.shape), db.view(a_t.shape)
+
+
+class TriangleMultiplicationFunction(torch.autograd.Function):
+    """Autograd function behind :func:`triangle_multiplication`.
+
+    ``apply(z, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b, w_z, outgoing,
+    eps)`` with ``w_in`` the stacked ``[4 C_h + C_z, C_z]`` projection weights in
+    ``z``'s dtype and ``mask`` ``[B N N]`` or ``None``. Saves ``z``, ``p`` and the
+    input LayerNorm's statistics (see the module docstring).
+    """
+
+    @staticmethod
+    def forward(ctx, z, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b, w_z,
+                outgoing, eps):
+        *lead, n, _, cz = z.shape
+        batch = int(torch.Size(lead).numel())
+        ch = w_z.shape[1]
+        z2 = z.reshape(-1, cz)
+        if not z2.is_contiguous():
+            z2 = z2.contiguous()
+        x, mean, rstd = layer_norm_fwd(z2, ln_in_w, ln_in_b, eps)
+        proj = F.linear(x, w_in)
+        del x
+        a_t, b_t = gate_fwd(proj, mask, batch, n, ch)
+        p = _product(a_t, b_t, outgoing)
+        del a_t, b_t
+        out = out_fwd(p, proj, ln_out_w, ln_out_b, w_z, eps)
+        ctx.save_for_backward(z2, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b,
+                              w_z, mean, rstd, p)
+        ctx.outgoing, ctx.eps, ctx.shape = outgoing, eps, z.shape
+        return out.view(z.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        (z2, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b, w_z, mean, rstd,
+         p) = ctx.saved_tensors
+        batch, ch = p.shape[:2]
+        need = ctx.needs_input_grad
+        x, _, _ = layer_norm_fwd(z2, ln_in_w, ln_in_b, ctx.eps)
+        proj = F.linear(x, w_in)
+        dout2 = dout.reshape(-1, dout.shape[-1])
+        if not dout2.is_contiguous():
+            dout2 = dout2.contiguous()
+        # writes d(g) over proj's g slot, which out_fwd's recompute no longer needs
+        dp, dw_z, dln_out_w, dln_out_b = out_bwd(
+            dout2, p, proj, ln_out_w, ln_out_b, w_z, ctx.eps
+        )
+        a_t, b_t = gate_fwd(proj, mask, batch, p.shape[-1], ch)
+        da_t, db_t = _product_grads(dp, a_t, b_t, ctx.outgoing)
+        del a_t, b_t, dp
+        gate_bwd(proj, mask, da_t, db_t, ch)  # proj now holds d(proj)
+        del da_t, db_t
+        dw_in = proj.t() @ x if need[4] else None
+        dz = dln_in_w = dln_in_b = None
+        if need[0] or need[2] or need[3]:
+            dx = proj @ w_in
+            dz, dln_in_w, dln_in_b = layer_norm_bwd(
+                dx, z2, ln_in_w, mean, rstd, need_dwb=need[2] or need[3]
+            )
+            dz = dz.view(ctx.shape) if need[0] else None
+        return (
+            dz, None,
+            _as(dln_in_w, ln_in_w, need[2]), _as(dln_in_b, ln_in_b, need[3]),
+            dw_in,
+            _as(dln_out_w, ln_out_w, need[5]), _as(dln_out_b, ln_out_b, need[6]),
+            _as(dw_z, w_z, need[7]),
+            None, None,
+        )
+
+
+def _as(grad, like, needed):
+    return grad.to(like.dtype) if needed and grad is not None else None
+
+
+def supports(z: torch.Tensor, c_hidden: int) -> tuple[bool, str]:
+    """Whether the fused path takes ``z`` (``(ok, why not)``): 16-bit, ``z``'s dtype
+    equal to the compute dtype (autocast's, inside autocast), square ``[*, N, N,
+    C_z]``, channels at most ``MAX_CHANNELS``, on a device the kernels run on."""
+    if z.dtype not in DTYPES:
+        return False, f"dtype {z.dtype}"
+    if torch.is_autocast_enabled(z.device.type):
+        autocast_dtype = torch.get_autocast_dtype(z.device.type)
+        if autocast_dtype != z.dtype:
+            return False, f"{z.dtype} input under {autocast_dtype} autocast"
+    if z.dim() < 3 or z.shape[-2] != z.shape[-3] or z.numel() == 0:
+        return False, f"shape {tuple(z.shape)}"
+    if max(z.shape[-1], c_hidden) > MAX_CHANNELS:
+        return False, f"channels {z.shape[-1]}/{c_hidden} > {MAX_CHANNELS}"
+    if not runs_on(z):
+        return False, f"tensor on {z.device} and the Triton interpreter is off"
+    return True, ""
+
+
+def triangle_multiplication(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    ln_in_weight: torch.Tensor,
+    ln_in_bias: torch.Tensor,
+    w_a_p: torch.Tensor,
+    w_a_g: torch.Tensor,
+    w_b_p: torch.Tensor,
+    w_b_g: torch.Tensor,
+    w_g: torch.Tensor,
+    ln_out_weight: torch.Tensor,
+    ln_out_bias: torch.Tensor,
+    w_z: torch.Tensor,
+    outgoing: bool = True,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """OF3's triangle multiplicative update, fused (see the module docstring).
+
+    Args:
+        z: ``[*, N, N, C_z]``, bf16 or fp16.
+        mask: ``[*, N, N]`` (broadcastable) or ``None``; no gradient flows to it.
+        ln_in_weight, ln_in_bias: ``[C_z]``, OF3's ``layer_norm_in``.
+        w_a_p, w_a_g, w_b_p, w_b_g: ``[C_h, C_z]``, OF3's ``linear_{a,b}_{p,g}``
+            weights (bias-free, as in OF3's config).
+        w_g: ``[C_z, C_z]``, ``linear_g``; w_z: ``[C_z, C_h]``, ``linear_z``.
+        ln_out_weight, ln_out_bias: ``[C_h]``, OF3's ``layer_norm_out``.
+        outgoing: ``TriangleMultiplicationOutgoing`` (``True``) or ``Incoming``.
+        eps: both LayerNorms' epsilon.
+
+    Returns:
+        ``[*, N, N, C_z]`` in ``z``'s dtype. Statistics, gates and GEMM accumulation
+        in fp32; ``LN_in(z)``, the gated ``a``/``b`` and their product are rounded to
+        ``z``'s dtype, as in OF3 under autocast. Parameter gradients come back in
+        the parameters' dtypes.
+
+    Falls back to :func:`triangle_multiplication_reference` (OF3's math) where
+    :func:`supports` says no.
+    """
+    ch = w_z.shape[1]
+    ok, why = supports(z, ch)
+    if not ok:
+        logger.debug("triangle_multiplication: torch path (%s)", why)
+        return triangle_multiplication_reference(
+            z, mask, ln_in_weight, ln_in_bias, w_a_p, w_a_g, w_b_p, w_b_g, w_g,
+            ln_out_weight, ln_out_bias, w_z, outgoing, eps,
+        )
+    w_in = torch.cat([w_a_p, w_a_g, w_b_p, w_b_g, w_g]).to(z.dtype)
+    mask1d = None
+    if mask is not None:
+        mask1d = mask.expand(z.shape[:-1]).reshape(-1)
+        mask1d = (mask1d if mask1d.is_floating_point() else mask1d.float()).contiguous()
+    return TriangleMultiplicationFunction.apply(
+        z, mask1d, ln_in_weight, ln_in_bias, w_in, ln_out_weight, ln_out_bias,
+        w_z.to(z.dtype), outgoing, eps,
+    )
