@@ -26,6 +26,7 @@ BENCHMARKS = {
     "attention-module": ("attention_module",),
     "smooth-lddt": ("smooth_lddt",),
     "transition": ("transition",),
+    "triangle-multiplication": ("triangle_multiplication",),
     "features": ("features",),
 }
 """``of3-megafold bench <what>`` -> modules of ``of3_megafold.bench``, each with

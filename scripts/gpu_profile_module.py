@@ -2,6 +2,8 @@
 
     python scripts/gpu_profile_module.py [OUT.txt] [--sizes 768 1024]
         [--providers kit kit-core of3-triton]
+    python scripts/gpu_profile_module.py [OUT.txt] --module triangle-multiplication
+        [--providers kit of3-eager]
 
 ``bench attention``'s triangle case (``TriangleAttention(c_in=128, c_hidden=32,
 no_heads=4)``, bf16, input ``[1, N, N, 128]``) for each provider (``kit``: the
@@ -11,6 +13,9 @@ split by operator (``aten::`` ops and Triton kernels, self time), and the same s
 by CUDA kernel. The module's time outside the attention core (LayerNorm, projections,
 gating, copies: 7.8 ms of 22.1 at N=1024 in session 11's bench) is what this breaks
 down.
+
+``--module triangle-multiplication`` profiles ``bench triangle-multiplication``'s
+outgoing case (``[1, N, N, 128]``, ``c_hidden = 128``) with that bench's providers.
 
 Diagnostic only: no JSON rows; the benchmark figures come from ``of3-megafold bench``.
 """
@@ -44,24 +49,45 @@ def _table(events, per_call: int, key: str) -> str:
     return "\n".join(lines)
 
 
-def profile_case(n: int, provider: str) -> str:
+def _attention_call(n: int, provider: str):
     from of3_megafold import activate
     from of3_megafold.bench.attention_module import KIT, _step, _triangle
-    from of3_megafold.bench.common import wall_ms_per_call
 
     module, inputs, flags = _triangle(n, torch.device("cuda"))
     with torch.no_grad():
         grad_out = torch.randn_like(module(**inputs, **flags("stock")))
     forced = {"kit": KIT, "kit-core": ("evoflash_attention",)}
     activate(force=forced.get(provider, ()))
+    step, leaves = _step(module, inputs, flags(provider), grad_out)
+
+    def call():
+        step()
+        for t in [*leaves, *module.parameters()]:
+            t.grad = None
+
+    return call
+
+
+def _multiplication_call(n: int, provider: str):
+    from of3_megafold.bench import triangle_multiplication as bench
+
+    device = torch.device("cuda")
+    module = bench._module("outgoing", 128, device)
+    z = torch.randn(1, n, n, 128, device=device, dtype=torch.bfloat16)
+    z.requires_grad_()
+    mask = (torch.rand(1, n, n, device=device) > 0.1).float()
+    return bench._step_fn(provider, module, z, mask, torch.randn_like(z))
+
+
+def profile_case(n: int, provider: str, module: str) -> str:
+    from of3_megafold import activate
+    from of3_megafold.bench.common import wall_ms_per_call
+
     try:
-        step, leaves = _step(module, inputs, flags(provider), grad_out)
-
-        def call():
-            step()
-            for t in [*leaves, *module.parameters()]:
-                t.grad = None
-
+        if module == "triangle-attention":
+            call = _attention_call(n, provider)
+        else:
+            call = _multiplication_call(n, provider)
         # warm-up: autotuning, compilation, allocator
         wall = wall_ms_per_call(call, REPEATS, warmup=3)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -74,7 +100,7 @@ def profile_case(n: int, provider: str) -> str:
     cuda = torch.autograd.DeviceType.CUDA
     ops = [e for e in events if e.device_type != cuda]
     kernels = [e for e in events if e.device_type == cuda]
-    return (f"=== triangle N={n} {provider}: {wall:.3f} ms per forward + backward "
+    return (f"=== {module} N={n} {provider}: {wall:.3f} ms per forward + backward "
             f"(unprofiled wall time)\n"
             f"-- by operator\n{_table(ops, REPEATS, 'operator')}\n"
             f"-- by CUDA kernel\n{_table(kernels, REPEATS, 'kernel')}\n")
@@ -84,14 +110,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, nargs="?", help="text file for the report")
     parser.add_argument("--sizes", type=int, nargs="*", default=[768, 1024])
-    parser.add_argument("--providers", nargs="*",
-                        default=["kit", "kit-core", "of3-triton"])
+    parser.add_argument("--providers", nargs="*")
+    parser.add_argument("--module", default="triangle-attention",
+                        choices=("triangle-attention", "triangle-multiplication"))
     args = parser.parse_args()
+    if not args.providers:
+        args.providers = (["kit", "kit-core", "of3-triton"]
+                          if args.module == "triangle-attention" else
+                          ["kit", "of3-eager"])
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     report = []
     for n in args.sizes:
         for provider in args.providers:
-            text = profile_case(n, provider)
+            text = profile_case(n, provider, args.module)
             print(text, flush=True)
             report.append(text)
             torch.cuda.empty_cache()

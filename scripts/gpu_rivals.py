@@ -7,9 +7,12 @@ paths and the kit:
 - ``attention_core``: SDPA, OF3's Triton kernel, the kit, cuEquivariance, DeepSpeed
   at triangle ``[1, N, N, 4, 32]`` and diffusion ``[1, 48, N, 16, 48]`` shapes;
 - ``attention_module``: OF3's ``TriangleAttention`` with each kernel flag, and the kit;
-- ``transition``: OF3's pair transition eager and compiled, the kit, Liger-Kernel.
+- ``transition``: OF3's pair transition eager and compiled, the kit, Liger-Kernel;
+- ``multiplication``: OF3's triangle multiplication eager and compiled, the kit, and
+  OF3 with cuEquivariance's fused kernel (its ``use_cueq_triangle_kernels``).
 
-Usage: ``python scripts/gpu_rivals.py OUT_DIR [--what core module transition]``;
+Usage: ``python scripts/gpu_rivals.py OUT_DIR [--what core module transition
+multiplication]``;
 rows go to ``OUT_DIR/<module>.json`` like the CLI's. Build DeepSpeed's op first
 (``gpu_session.sh ds-build``), or its first call pays the build.
 """
@@ -20,7 +23,12 @@ import argparse
 from pathlib import Path
 
 from of3_megafold import activate
-from of3_megafold.bench import attention_core, attention_module, transition
+from of3_megafold.bench import (
+    attention_core,
+    attention_module,
+    transition,
+    triangle_multiplication,
+)
 
 CORE_TRIANGLE = (256, 512, 768, 1024, 1536)
 CORE_DIFFUSION = (384, 768)
@@ -35,8 +43,8 @@ def main() -> None:
     parser.add_argument(
         "--what",
         nargs="+",
-        choices=("core", "module", "transition"),
-        default=["core", "module", "transition"],
+        choices=("core", "module", "transition", "multiplication"),
+        default=["core", "module", "transition", "multiplication"],
     )
     args = parser.parse_args()
     activate()
@@ -56,6 +64,8 @@ def main() -> None:
             args.out_dir / "transition.json",
             sizes={"pair": TRANSITION_PAIR, "single": ()},
         )
+    if "multiplication" in args.what:
+        triangle_multiplication.run(args.out_dir / "triangle_multiplication.json")
 
 
 if __name__ == "__main__":
