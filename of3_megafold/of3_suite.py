@@ -25,6 +25,7 @@ CI_SUBSET = (
     "test_diffusion_loss.py",
     "test_primitives.py",
     "test_triangular_attention.py",
+    "test_triangular_multiplicative_update.py",
     "test_msa.py",
     "test_msa_module.py",
     "test_pair_transition.py",

@@ -37,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 FLAGS = {
     "evoflash_attention": ("memory", "use_evoflash_attention"),
     "evofusion_transitions": ("memory", "use_evofusion_transitions"),
+    "evofusion_triangle_multiplication": (
+        "memory", "use_evofusion_triangle_multiplication"
+    ),
     "smooth_lddt": ("loss", "smooth_lddt_backend"),
 }
 

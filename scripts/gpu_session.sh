@@ -116,6 +116,9 @@ for spec in "$@"; do
         of3-tests) of3_test_stubs
                    run of3-tests "${limit:-300}" python3 -m of3_megafold.cli test-of3 \
                        --extensions all --subset ci test_of3_model.py -q -rfs -p no:warnings --continue-on-collection-errors ;;
+        # block sizes of the triangle-multiplication kernels (diagnostic)
+        # shellcheck disable=SC2086  # $extra: options for the sweep
+        sweep-tm) run sweep-tm "${limit:-180}" python3 scripts/gpu_sweep_triangle_multiplication.py $extra ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_profile_module.py
         profile-module) run profile-module "${limit:-180}" python3 scripts/gpu_profile_module.py \

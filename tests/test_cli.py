@@ -19,6 +19,7 @@ def test_info_lists_every_extension_and_its_keys():
         "smooth_lddt",
         "evoflash_attention",
         "evofusion_transitions",
+        "evofusion_triangle_multiplication",
         "precomputed_features",
     ):
         assert name in result.output

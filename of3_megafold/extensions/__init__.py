@@ -7,6 +7,7 @@ Extension modules import OpenFold3 and the kernels lazily, inside their patches.
 from of3_megafold.extensions import (
     evoflash_attention,
     evofusion_transitions,
+    evofusion_triangle_multiplication,
     sequence_parallel,
     smooth_lddt,
 )
@@ -14,6 +15,7 @@ from of3_megafold.extensions import (
 __all__ = [
     "evoflash_attention",
     "evofusion_transitions",
+    "evofusion_triangle_multiplication",
     "sequence_parallel",
     "smooth_lddt",
 ]

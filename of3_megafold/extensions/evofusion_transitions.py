@@ -18,17 +18,6 @@ casts that back, forward and backward; on the H200 that round trip was about 3.8
 the 8 ms that the triangle-attention module spent outside the attention core at
 N=1024 (docs/benchmarks.md, "Attention modules"). fp32 inputs keep OF3's LayerNorm.
 
-With a key on, OF3's ``TriangleMultiplicativeUpdate`` (the outgoing and incoming
-triangle multiplications of the pairformer, MSA module and template stack) runs
-:func:`~of3_megafold.kernels.triangle_multiplication.triangle_multiplication` on
-16-bit pair activations: the input LayerNorm, the five projections as one GEMM, the
-gates written straight into the batched GEMM's channel-major layout, and the output
-LayerNorm, projection and gate in one pass; the forward keeps ``z`` and the product,
-the backward recomputes the rest. OF3's own path stays for fp32 inputs, Linears
-with a bias, the chunked in-place inference path (``inplace_safe``), and calls with
-``use_cueq_triangle_kernels`` (cuEquivariance's fused kernel, which the user asked
-for).
-
 Transitions that compute in fp32 (no autocast around them, fp32 input: OF3's
 diffusion conditioning and the atom transformer in a bf16-mixed run) run OF3's own
 math under activation checkpointing instead: the forward keeps only the inputs and
@@ -52,7 +41,7 @@ KEYS = registry.memory_flag_keys(
     "fused LayerNorm + SwiGLU + output Linear in every SwiGLU transition (and "
     "SwiGLU + output Linear after AdaLN in conditioned transitions); hidden "
     "activations recomputed, not stored. Also OF3's LayerNorm on 16-bit "
-    "activations without its fp32 copies, and a fused triangle multiplication.",
+    "activations without its fp32 copies.",
 )
 
 
@@ -139,52 +128,6 @@ def _patch_conditioned_transition(original):
     return _transition
 
 
-def _triangle_multiplication_path(module, z, inplace_safe, use_cueq) -> bool:
-    """Whether this call takes the fused kernels (see the module docstring)."""
-    if not _enabled(module) or inplace_safe or use_cueq:
-        return False
-    ln_in, ln_out = module.layer_norm_in, module.layer_norm_out
-    if ln_in.eps != ln_out.eps or any(
-        t is None for t in (ln_in.weight, ln_in.bias, ln_out.weight, ln_out.bias)
-    ):
-        return False
-    if _has_bias(module.linear_a_p, module.linear_a_g, module.linear_b_p,
-                 module.linear_b_g, module.linear_g, module.linear_z):
-        return False
-    from of3_megafold.kernels.triangle_multiplication import function as kernels
-
-    ok, _ = kernels.supports(z, module.c_hidden)
-    if not ok and z.dtype in kernels.DTYPES and not runs_on(z):
-        registry.log_device_fallback(NAME, z.device.type)
-    return ok
-
-
-def _patch_triangle_multiplication(original):
-    def forward(self, z, mask=None, inplace_safe=False,
-                use_cueq_triangle_kernels=False, *args, **kwargs):
-        if not _triangle_multiplication_path(
-            self, z, inplace_safe, use_cueq_triangle_kernels
-        ):
-            return original(self, z, mask, inplace_safe, use_cueq_triangle_kernels,
-                            *args, **kwargs)
-        from of3_megafold.kernels.triangle_multiplication import (
-            triangle_multiplication,
-        )
-
-        ln_in, ln_out = self.layer_norm_in, self.layer_norm_out
-        return triangle_multiplication(
-            z, mask, ln_in.weight, ln_in.bias,
-            self.linear_a_p.weight, self.linear_a_g.weight,
-            self.linear_b_p.weight, self.linear_b_g.weight, self.linear_g.weight,
-            ln_out.weight, ln_out.bias, self.linear_z.weight,
-            outgoing=self._outgoing, eps=ln_in.eps,
-        )
-
-    forward.__doc__ = original.__doc__
-    forward.__wrapped__ = original
-    return forward
-
-
 def _patch_layer_norm(original):
     def forward(self, x):
         if _enabled(self):
@@ -207,8 +150,8 @@ EXTENSION = registry.register(
     registry.Extension(
         name=NAME,
         summary="Fused LayerNorm + SwiGLU + output Linear transitions that "
-        "recompute their wide hidden activations; a fused triangle multiplication; "
-        "16-bit LayerNorms without fp32 copies",
+        "recompute their wide hidden activations; 16-bit LayerNorms without fp32 "
+        "copies",
         keys=KEYS,
         requested=registry.any_key_on(KEYS),
         enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
@@ -226,11 +169,6 @@ EXTENSION = registry.register(
             registry.Patch(
                 "openfold3.core.model.primitives.normalization:LayerNorm.forward",
                 _patch_layer_norm,
-            ),
-            registry.Patch(
-                "openfold3.core.model.layers.triangular_multiplicative_update"
-                ":TriangleMultiplicativeUpdate.forward",
-                _patch_triangle_multiplication,
             ),
         ),
         docs="docs/extensions/evofusion_transitions.md",

@@ -231,36 +231,3 @@ def test_layer_norm_on_16_bit_inputs(kit, interpreted_kernels, monkeypatch):
     assert all(torch.equal(s, k) for s, k in zip(stock, kit_, strict=True))
     assert calls == [torch.bfloat16, torch.float16]
 
-
-@pytest.mark.parametrize("outgoing", [True, False])
-def test_triangle_multiplication(kit, interpreted_kernels, monkeypatch, outgoing):
-    """OF3's triangle multiplications with the key on: 16-bit pair activations take
-    the fused kernels (within 2x OF3's bf16 error, output and every gradient); fp32
-    inputs and the in-place inference path keep OF3's path."""
-    from openfold3.core.model.layers.triangular_multiplicative_update import (
-        TriangleMultiplicationIncoming,
-        TriangleMultiplicationOutgoing,
-    )
-
-    from of3_megafold.kernels.triangle_multiplication import function as kernels
-
-    calls = []
-    apply = kernels.TriangleMultiplicationFunction.apply
-    monkeypatch.setattr(kernels.TriangleMultiplicationFunction, "apply",
-                        lambda *args: calls.append(args[0].dtype) or apply(*args))
-    cls = TriangleMultiplicationOutgoing if outgoing else TriangleMultiplicationIncoming
-    module = _randomize(cls(c_z=16, c_hidden=12), 11)
-    torch.manual_seed(3)
-    z = torch.randn(1, 13, 13, 16).bfloat16()
-    mask = (torch.rand(1, 13, 13) > 0.2).float()
-    _compare(module, {"z": z, "mask": mask}, _force)
-    assert calls == [torch.bfloat16]
-
-    with torch.no_grad():
-        expected = module(z, mask, inplace_safe=True)  # the key is off again
-        _force()
-        assert torch.equal(module(z, mask, inplace_safe=True), expected)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            module(z.float(), mask)  # fp32 pair activations: OF3's path
-    activate()
-    assert calls == [torch.bfloat16]

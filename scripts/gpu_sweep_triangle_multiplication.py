@@ -1,0 +1,89 @@
+"""Block sizes of the triangle-multiplication kernels, timed on the GPU.
+
+    python scripts/gpu_sweep_triangle_multiplication.py [--sizes 768 1024]
+
+For each kernel (``_out_fwd``, ``_out_bwd``, ``_gate_fwd``, ``_gate_bwd``) and each
+candidate (``BLOCK_R``, ``num_warps``), the kernel alone on the pairformer's shape
+(``[1, N, N, 128]``, ``c_hidden = 128``, bf16), ``triton.testing.do_bench`` median in
+ms, and the launcher's current choice marked. Diagnostic only: the chosen sizes live
+in ``of3_megafold/kernels/triangle_multiplication/function.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from of3_megafold.kernels.triangle_multiplication import function as fn  # noqa: E402
+
+CANDIDATES = [(r, w) for r in (16, 32, 64, 128) for w in (4, 8)]
+
+
+def _time(call) -> float:
+    return triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median")
+
+
+def sweep(n: int) -> None:
+    c = 128
+    dev = torch.device("cuda")
+    bf16 = torch.bfloat16
+    r = n * n
+    proj = torch.randn(r, 5 * c, device=dev, dtype=bf16)
+    mask = (torch.rand(r, device=dev) > 0.1).float()
+    p = torch.randn(1, c, n, n, device=dev, dtype=bf16)
+    w_z = torch.randn(c, c, device=dev, dtype=bf16) * c**-0.5
+    ln_w, ln_b = torch.ones(c, device=dev), torch.zeros(c, device=dev)
+    dout = torch.randn(r, c, device=dev, dtype=bf16)
+    da, db = torch.randn_like(p), torch.randn_like(p)
+    calls = {
+        "out_fwd": (fn._out_blocks, lambda: fn.out_fwd(p, proj, ln_w, ln_b, w_z, 1e-5)),
+        "out_bwd": (fn._out_blocks,
+                    lambda: fn.out_bwd(dout, p, proj, ln_w, ln_b, w_z, 1e-5)),
+        "gate_fwd": (fn._gate_blocks, lambda: fn.gate_fwd(proj, mask, 1, n, c)),
+        "gate_bwd": (fn._gate_blocks, lambda: fn.gate_bwd(proj, mask, da, db, c)),
+    }
+    for name, (blocks_fn, call) in calls.items():
+        attr = blocks_fn.__name__
+        current = (blocks_fn(c, c, name == "out_bwd") if attr == "_out_blocks"
+                   else blocks_fn(c))
+        results = []
+        for block_r, warps in CANDIDATES:
+            def forced(*args, _r=block_r, _w=warps, _f=blocks_fn, **kwargs):
+                return {**_f(*args, **kwargs), "BLOCK_R": _r, "num_warps": _w}
+
+            setattr(fn, attr, forced)
+            try:
+                ms = _time(call)
+            except Exception as error:  # out of resources: too large a tile
+                ms = float("nan")
+                print(f"  {name} {block_r} {warps}: {type(error).__name__}", flush=True)
+            finally:
+                setattr(fn, attr, blocks_fn)
+            results.append((block_r, warps, ms))
+        best = min((x for x in results if x[2] == x[2]), key=lambda x: x[2])
+        line = " ".join(
+            f"{br}/{w}:{ms:.3f}" + ("*" if (br, w) == (current["BLOCK_R"],
+                                                      current["num_warps"]) else "")
+            for br, w, ms in results
+        )
+        print(f"N={n} {name}: best {best[0]}/{best[1]} {best[2]:.3f} ms | {line}",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[768, 1024])
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for n in args.sizes:
+        sweep(n)
+
+
+if __name__ == "__main__":
+    main()
