@@ -3,10 +3,11 @@
     python scripts/gpu_sweep_triangle_multiplication.py [--sizes 768 1024]
 
 For each kernel (``_out_fwd``, ``_out_bwd``, ``_gate_fwd``, ``_gate_bwd``) and each
-candidate (``BLOCK_R``, ``num_warps``), the kernel alone on the pairformer's shape
-(``[1, N, N, 128]``, ``c_hidden = 128``, bf16), ``triton.testing.do_bench`` median in
-ms, and the launcher's current choice marked. Diagnostic only: the chosen sizes live
-in ``of3_megafold/kernels/triangle_multiplication/function.py``.
+candidate (gates: ``BLOCK_R``/``num_warps``; the persistent output kernels:
+``BLOCK_R``/``NUM_STAGES``/``PROGRAMS_PER_SM``), the kernel alone on the pairformer's
+shape (``[1, N, N, 128]``, ``c_hidden = 128``, bf16), ``triton.testing.do_bench``
+median in ms, and the launcher's current choice marked. Diagnostic only: the chosen
+sizes live in ``of3_megafold/kernels/triangle_multiplication/function.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from of3_megafold.kernels.triangle_multiplication import function as fn  # noqa: E402
 
-CANDIDATES = [(r, w) for r in (16, 32, 64, 128) for w in (4, 8)]
+GATE_CANDIDATES = [
+    {"BLOCK_R": r, "num_warps": w} for r in (32, 64, 128) for w in (4, 8)
+]
+OUT_CANDIDATES = [
+    {"BLOCK_R": r, "NUM_STAGES": s, "PROGRAMS_PER_SM": p}
+    for r in (32, 64)
+    for s in (1, 2, 3)
+    for p in (1, 2, 4, 8)
+]
 
 
 def _time(call) -> float:
@@ -43,37 +52,41 @@ def sweep(n: int) -> None:
     da, db = torch.randn_like(p), torch.randn_like(p)
     calls = {
         "out_fwd": (fn._out_blocks, lambda: fn.out_fwd(p, proj, ln_w, ln_b, w_z, 1e-5)),
-        "out_bwd": (fn._out_blocks,
-                    lambda: fn.out_bwd(dout, p, proj, ln_w, ln_b, w_z, 1e-5)),
+        "out_bwd": (
+            fn._out_blocks,
+            lambda: fn.out_bwd(dout, p, proj, ln_w, ln_b, w_z, 1e-5),
+        ),
         "gate_fwd": (fn._gate_blocks, lambda: fn.gate_fwd(proj, mask, 1, n, c)),
         "gate_bwd": (fn._gate_blocks, lambda: fn.gate_bwd(proj, mask, da, db, c)),
     }
     for name, (blocks_fn, call) in calls.items():
         attr = blocks_fn.__name__
-        current = (blocks_fn(c, c, name == "out_bwd") if attr == "_out_blocks"
-                   else blocks_fn(c))
+        out = attr == "_out_blocks"
+        current = blocks_fn(c, c, name == "out_bwd") if out else blocks_fn(c)
         results = []
-        for block_r, warps in CANDIDATES:
-            def forced(*args, _r=block_r, _w=warps, _f=blocks_fn, **kwargs):
-                return {**_f(*args, **kwargs), "BLOCK_R": _r, "num_warps": _w}
+        for cand in OUT_CANDIDATES if out else GATE_CANDIDATES:
+
+            def forced(*args, _cand=cand, _f=blocks_fn, **kwargs):
+                return {**_f(*args, **kwargs), **_cand}
 
             setattr(fn, attr, forced)
             try:
                 ms = _time(call)
             except Exception as error:  # out of resources: too large a tile
                 ms = float("nan")
-                print(f"  {name} {block_r} {warps}: {type(error).__name__}", flush=True)
+                print(f"  {name} {cand}: {type(error).__name__}", flush=True)
             finally:
                 setattr(fn, attr, blocks_fn)
-            results.append((block_r, warps, ms))
-        best = min((x for x in results if x[2] == x[2]), key=lambda x: x[2])
-        line = " ".join(
-            f"{br}/{w}:{ms:.3f}" + ("*" if (br, w) == (current["BLOCK_R"],
-                                                      current["num_warps"]) else "")
-            for br, w, ms in results
+            label = "/".join(str(v) for v in cand.values())
+            mark = "*" if all(current[k] == v for k, v in cand.items()) else ""
+            results.append((label + mark, ms))
+        best = min((x for x in results if x[1] == x[1]), key=lambda x: x[1])
+        keys = "/".join(OUT_CANDIDATES[0] if out else GATE_CANDIDATES[0])
+        line = " ".join(f"{label}:{ms:.3f}" for label, ms in results)
+        print(
+            f"N={n} {name} ({keys}): best {best[0]} {best[1]:.3f} ms | {line}",
+            flush=True,
         )
-        print(f"N={n} {name}: best {best[0]}/{best[1]} {best[2]:.3f} ms | {line}",
-              flush=True)
 
 
 def main() -> None:

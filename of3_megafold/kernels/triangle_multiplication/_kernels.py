@@ -18,6 +18,11 @@ stacked (``a_p | a_g | b_p | b_g | g``, row stride ``STRIDE_P``). The GEMM opera
   slot, ``dP`` (channel-major), and the two operands of the ``W_z`` gradient GEMM
   (``dy = dout sigmoid(g)`` and ``LN_out(p)``, ``[B R, C]``); the LayerNorm's weight
   and bias gradients are summed per program into fp32 partials (no atomics).
+
+Both output kernels are persistent: a program loads ``W_z`` and the LayerNorm affine
+once and walks tiles ``program_id, program_id + programs, ...`` of the ``TILES`` =
+``cdiv(R, BLOCK_R) * B`` tiles, so the next tile's loads can be issued while one is
+computed (``NUM_STAGES``).
 """
 
 import triton
@@ -91,15 +96,37 @@ def _gate_grad(SRC_P, SRC_G, d, inside):
 
 
 @triton.jit
+def _out_weights(LN_W, LN_B, WZ, CH, CZ,
+                 BLOCK_CH: tl.constexpr, BLOCK_CZ: tl.constexpr):
+    """The output LayerNorm's affine (fp32 ``[BLOCK_CH]``) and ``W_z^T``
+    (``[BLOCK_CH, BLOCK_CZ]``), zero outside: loaded once per program."""
+    ch = tl.arange(0, BLOCK_CH)
+    cz = tl.arange(0, BLOCK_CZ)
+    w = tl.load(LN_W + ch, mask=ch < CH, other=0.0).to(tl.float32)
+    bias = tl.load(LN_B + ch, mask=ch < CH, other=0.0).to(tl.float32)
+    w_z_t = tl.load(WZ + cz[None, :] * CH + ch[:, None],
+                    mask=(ch[:, None] < CH) & (cz[None, :] < CZ), other=0.0)
+    return w, bias, w_z_t
+
+
+@triton.jit
+def _tile_rows(t, R, BLOCK_R: tl.constexpr):
+    """Batch item and positions of tile ``t`` (tiles run over positions, then
+    batch items)."""
+    tiles_r = tl.cdiv(R, BLOCK_R)
+    b = (t // tiles_r).to(tl.int64)
+    rows = (t % tiles_r).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return b, rows
+
+
+@triton.jit
 def _out_tile(
-    P, LN_W, LN_B, WZ, b, rows, R, CH, CZ, eps,
-    BLOCK_CH: tl.constexpr, BLOCK_CZ: tl.constexpr,
+    P, w, bias, w_z_t, b, rows, R, CH, eps, BLOCK_CH: tl.constexpr,
 ):
     """``(xhat, rstd, ln, y)`` of ``BLOCK_R`` positions: the normalised channel-major
     ``P`` tile ``[BLOCK_R, BLOCK_CH]`` (fp32), its rstd, ``LN_out(p)`` rounded to
-    ``WZ``'s dtype, and ``y = LN_out(p) W_z^T`` (fp32 ``[BLOCK_R, BLOCK_CZ]``)."""
+    ``w_z_t``'s dtype, and ``y = LN_out(p) W_z^T`` (fp32 ``[BLOCK_R, BLOCK_CZ]``)."""
     ch = tl.arange(0, BLOCK_CH)
-    cz = tl.arange(0, BLOCK_CZ)
     x_in = (rows[:, None] < R) & (ch[None, :] < CH)
     x = tl.load(P + (b * CH + ch[None, :]) * R + rows[:, None], mask=x_in,
                 other=0.0).to(tl.float32)
@@ -107,12 +134,8 @@ def _out_tile(
     xc = tl.where(x_in, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / CH + eps)
     xhat = xc * rstd[:, None]
-    w = tl.load(LN_W + ch, mask=ch < CH, other=0.0).to(tl.float32)
-    bias = tl.load(LN_B + ch, mask=ch < CH, other=0.0).to(tl.float32)
     ln = round_to(tl.where(x_in, xhat * w[None, :] + bias[None, :], 0.0),
-                  WZ.dtype.element_ty)
-    w_z_t = tl.load(WZ + cz[None, :] * CH + ch[:, None],
-                    mask=(ch[:, None] < CH) & (cz[None, :] < CZ), other=0.0)
+                  w_z_t.dtype)
     y = dot(ln, w_z_t)
     return xhat, rstd, ln, y
 
@@ -120,58 +143,63 @@ def _out_tile(
 @triton.jit
 def _out_fwd_kernel(
     P, PROJ, LN_W, LN_B, WZ, OUT,
-    R, CH, CZ, STRIDE_P, eps,
+    R, CH, CZ, STRIDE_P, eps, TILES,
     BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr, BLOCK_CZ: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    b = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cz = tl.arange(0, BLOCK_CZ)
-    _, _, _, y = _out_tile(P, LN_W, LN_B, WZ, b, rows, R, CH, CZ, eps,
-                           BLOCK_CH, BLOCK_CZ)
-    out_in = (rows[:, None] < R) & (cz[None, :] < CZ)
-    pos = b * R + rows[:, None]
-    g = tl.load(PROJ + pos * STRIDE_P + 4 * CH + cz[None, :], mask=out_in,
-                other=0.0).to(tl.float32)
-    tl.store(OUT + pos * CZ + cz[None, :], round_to(y * _sigmoid(g),
-             OUT.dtype.element_ty), mask=out_in)
+    w, bias, w_z_t = _out_weights(LN_W, LN_B, WZ, CH, CZ, BLOCK_CH, BLOCK_CZ)
+    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0),
+                      num_stages=NUM_STAGES):
+        b, rows = _tile_rows(t, R, BLOCK_R)
+        _, _, _, y = _out_tile(P, w, bias, w_z_t, b, rows, R, CH, eps, BLOCK_CH)
+        out_in = (rows[:, None] < R) & (cz[None, :] < CZ)
+        pos = b * R + rows[:, None]
+        g = tl.load(PROJ + pos * STRIDE_P + 4 * CH + cz[None, :], mask=out_in,
+                    other=0.0).to(tl.float32)
+        tl.store(OUT + pos * CZ + cz[None, :], round_to(y * _sigmoid(g),
+                 OUT.dtype.element_ty), mask=out_in)
 
 
 @triton.jit
 def _out_bwd_kernel(
     P, PROJ, LN_W, LN_B, WZ, DOUT, DP, DY, LNO, DW_PART, DB_PART,
-    R, CH, CZ, STRIDE_P, eps,
+    R, CH, CZ, STRIDE_P, eps, TILES,
     BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr, BLOCK_CZ: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    b = tl.program_id(1).to(tl.int64)
-    part = b * tl.num_programs(0) + tl.program_id(0)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ch = tl.arange(0, BLOCK_CH)
     cz = tl.arange(0, BLOCK_CZ)
-    xhat, rstd, ln, y = _out_tile(P, LN_W, LN_B, WZ, b, rows, R, CH, CZ, eps,
-                                  BLOCK_CH, BLOCK_CZ)
-    row_in = rows[:, None] < R
-    out_in = row_in & (cz[None, :] < CZ)
-    x_in = row_in & (ch[None, :] < CH)
-    pos = b * R + rows[:, None]
-    g_ptr = PROJ + pos * STRIDE_P + 4 * CH + cz[None, :]
-    s = _sigmoid(tl.load(g_ptr, mask=out_in, other=0.0).to(tl.float32))
-    dout = tl.load(DOUT + pos * CZ + cz[None, :], mask=out_in,
-                   other=0.0).to(tl.float32)
-    tl.store(g_ptr, round_to(dout * y * s * (1.0 - s), PROJ.dtype.element_ty),
-             mask=out_in)
-    dy = round_to(dout * s, WZ.dtype.element_ty)
-    tl.store(DY + pos * CZ + cz[None, :], dy, mask=out_in)
-    tl.store(LNO + pos * CH + ch[None, :], ln, mask=x_in)
-    w_z = tl.load(WZ + cz[:, None] * CH + ch[None, :],
-                  mask=(cz[:, None] < CZ) & (ch[None, :] < CH), other=0.0)
-    dln = dot(dy, w_z)
-    w = tl.load(LN_W + ch, mask=ch < CH, other=0.0).to(tl.float32)
-    tl.store(DW_PART + part * CH + ch, tl.sum(dln * xhat, 0), mask=ch < CH)
-    tl.store(DB_PART + part * CH + ch, tl.sum(tl.where(x_in, dln, 0.0), 0),
-             mask=ch < CH)
-    dxhat = dln * w[None, :]
-    c1 = tl.sum(dxhat * xhat, 1) / CH
-    c2 = tl.sum(tl.where(x_in, dxhat, 0.0), 1) / CH
-    dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-    tl.store(DP + (b * CH + ch[None, :]) * R + rows[:, None],
-             round_to(dx, DP.dtype.element_ty), mask=x_in)
+    w, bias, w_z_t = _out_weights(LN_W, LN_B, WZ, CH, CZ, BLOCK_CH, BLOCK_CZ)
+    w_z = tl.trans(w_z_t)
+    dw = tl.zeros([BLOCK_CH], dtype=tl.float32)
+    db = tl.zeros([BLOCK_CH], dtype=tl.float32)
+    for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0),
+                      num_stages=NUM_STAGES):
+        b, rows = _tile_rows(t, R, BLOCK_R)
+        xhat, rstd, ln, y = _out_tile(P, w, bias, w_z_t, b, rows, R, CH, eps,
+                                      BLOCK_CH)
+        row_in = rows[:, None] < R
+        out_in = row_in & (cz[None, :] < CZ)
+        x_in = row_in & (ch[None, :] < CH)
+        pos = b * R + rows[:, None]
+        g_ptr = PROJ + pos * STRIDE_P + 4 * CH + cz[None, :]
+        s = _sigmoid(tl.load(g_ptr, mask=out_in, other=0.0).to(tl.float32))
+        dout = tl.load(DOUT + pos * CZ + cz[None, :], mask=out_in,
+                       other=0.0).to(tl.float32)
+        tl.store(g_ptr, round_to(dout * y * s * (1.0 - s), PROJ.dtype.element_ty),
+                 mask=out_in)
+        dy = round_to(dout * s, w_z.dtype)
+        tl.store(DY + pos * CZ + cz[None, :], dy, mask=out_in)
+        tl.store(LNO + pos * CH + ch[None, :], ln, mask=x_in)
+        dln = dot(dy, w_z)
+        dw += tl.sum(dln * xhat, 0)
+        db += tl.sum(tl.where(x_in, dln, 0.0), 0)
+        dxhat = dln * w[None, :]
+        c1 = tl.sum(dxhat * xhat, 1) / CH
+        c2 = tl.sum(tl.where(x_in, dxhat, 0.0), 1) / CH
+        dx = (dxhat - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DP + (b * CH + ch[None, :]) * R + rows[:, None],
+                 round_to(dx, DP.dtype.element_ty), mask=x_in)
+    tl.store(DW_PART + tl.program_id(0) * CH + ch, dw, mask=ch < CH)
+    tl.store(DB_PART + tl.program_id(0) * CH + ch, db, mask=ch < CH)

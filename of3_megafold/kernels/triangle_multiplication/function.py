@@ -29,6 +29,7 @@ from of3_megafold.kernels._launch import TunedKernel
 from of3_megafold.kernels.backend import (
     cdiv,
     interpreter_enabled,
+    multiprocessors,
     next_power_of_2,
     runs_on,
 )
@@ -64,12 +65,25 @@ def _gate_blocks(ch: int) -> dict:
 def _out_blocks(ch: int, cz: int, backward: bool) -> dict:
     """Block sizes of the output kernels: ``BLOCK_R`` positions by every channel.
     On the H200 at C = 128 (``scripts/gpu_sweep_triangle_multiplication.py``, N = 768
-    and 1024) the forward was fastest at 32 rows and the backward at 64 (1.53 ms
-    against 2.16 at 32 rows and 3.89 at 128), with 4 warps as fast as 8."""
+    and 1024, one program per tile) the forward was fastest at 32 rows and the
+    backward at 64 (1.53 ms against 2.16 at 32 rows and 3.89 at 128), with 4 warps
+    as fast as 8."""
     block_ch, block_cz = max(16, next_power_of_2(ch)), max(16, next_power_of_2(cz))
     block_r = 16 if interpreter_enabled() else 64 if backward else 32
     return {"BLOCK_R": block_r, "BLOCK_CH": block_ch, "BLOCK_CZ": block_cz,
-            "num_warps": 4}
+            "NUM_STAGES": 2, "num_warps": 4, "PROGRAMS_PER_SM": 4}
+
+
+def _out_launch(blocks: dict, r: int, batch: int, device: torch.device):
+    """``(grid, tiles, meta)`` of a persistent output kernel: at most
+    ``PROGRAMS_PER_SM`` programs per SM (4 under the interpreter, so that small
+    tests walk several tiles per program)."""
+    meta = dict(blocks)
+    per_sm = meta.pop("PROGRAMS_PER_SM")
+    tiles = cdiv(r, meta["BLOCK_R"]) * batch
+    slots = (4 if interpreter_enabled() or device.type != "cuda"
+             else per_sm * multiprocessors(device.index))
+    return (max(1, min(tiles, slots)),), tiles, meta
 
 
 def gate_fwd(
@@ -123,9 +137,9 @@ def out_fwd(
     cz = w_z.shape[0]
     r = n * n
     out = p.new_empty((batch * r, cz))
-    blocks = _out_blocks(ch, cz, backward=False)
-    _out_fwd[(cdiv(r, blocks["BLOCK_R"]), batch)](
-        p, proj, ln_w, ln_b, w_z, out, r, ch, cz, proj.stride(0), eps, **blocks,
+    grid, tiles, meta = _out_launch(_out_blocks(ch, cz, False), r, batch, p.device)
+    _out_fwd[grid](
+        p, proj, ln_w, ln_b, w_z, out, r, ch, cz, proj.stride(0), eps, tiles, **meta,
     )
     return out
 
@@ -145,15 +159,14 @@ def out_bwd(
     batch, ch, n, _ = p.shape
     cz = w_z.shape[0]
     r = n * n
-    blocks = _out_blocks(ch, cz, backward=True)
-    tiles = cdiv(r, blocks["BLOCK_R"])
+    grid, tiles, meta = _out_launch(_out_blocks(ch, cz, True), r, batch, p.device)
     dp = torch.empty_like(p)
     dy = p.new_empty((batch * r, cz))
     ln = p.new_empty((batch * r, ch))
-    part = torch.empty((2, batch * tiles, ch), dtype=torch.float32, device=p.device)
-    _out_bwd[(tiles, batch)](
+    part = torch.empty((2, grid[0], ch), dtype=torch.float32, device=p.device)
+    _out_bwd[grid](
         p, proj, ln_w, ln_b, w_z, dout, dp, dy, ln, part[0], part[1],
-        r, ch, cz, proj.stride(0), eps, **blocks,
+        r, ch, cz, proj.stride(0), eps, tiles, **meta,
     )
     dw_z = dy.t() @ ln
     sums = part.sum(dim=1)  # over programs, in a fixed order
