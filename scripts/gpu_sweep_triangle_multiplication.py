@@ -38,7 +38,9 @@ def _time(call) -> float:
     return triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median")
 
 
-def sweep(n: int) -> None:
+def sweep(n: int) -> dict[str, list[tuple[dict, float]]]:
+    """Time every candidate of every kernel at ``N = n``: ``{kernel: [(candidate,
+    ms)]}``."""
     c = 128
     dev = torch.device("cuda")
     bf16 = torch.bfloat16
@@ -59,6 +61,7 @@ def sweep(n: int) -> None:
         "gate_fwd": (fn._gate_blocks, lambda: fn.gate_fwd(proj, mask, 1, n, c)),
         "gate_bwd": (fn._gate_blocks, lambda: fn.gate_bwd(proj, mask, da, db, c)),
     }
+    timings = {}
     for name, (blocks_fn, call) in calls.items():
         attr = blocks_fn.__name__
         out = attr == "_out_blocks"
@@ -80,6 +83,7 @@ def sweep(n: int) -> None:
             label = "/".join(str(v) for v in cand.values())
             mark = "*" if all(current[k] == v for k, v in cand.items()) else ""
             results.append((label + mark, ms))
+            timings.setdefault(name, []).append((cand, ms))
         best = min((x for x in results if x[1] == x[1]), key=lambda x: x[1])
         keys = "/".join(OUT_CANDIDATES[0] if out else GATE_CANDIDATES[0])
         line = " ".join(f"{label}:{ms:.3f}" for label, ms in results)
@@ -87,15 +91,45 @@ def sweep(n: int) -> None:
             f"N={n} {name} ({keys}): best {best[0]} {best[1]:.3f} ms | {line}",
             flush=True,
         )
+    return timings
+
+
+def _best_total(runs: list[dict], name: str) -> dict:
+    """The candidate of kernel ``name`` with the least time summed over sizes."""
+    totals = [
+        (cand, sum(run[name][i][1] for run in runs))
+        for i, (cand, _) in enumerate(runs[0][name])
+    ]
+    return min((t for t in totals if t[1] == t[1]), key=lambda t: t[1])[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=[768, 1024])
+    parser.add_argument(
+        "--bench",
+        type=Path,
+        help="then run `bench triangle-multiplication` (of3-compile, kit) with the "
+        "output kernels' best candidates over all sizes, rows to this JSON",
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for n in args.sizes:
-        sweep(n)
+    runs = [sweep(n) for n in args.sizes]
+    if args.bench:
+        from of3_megafold.bench import triangle_multiplication
+
+        best = {name: _best_total(runs, name) for name in ("out_fwd", "out_bwd")}
+        print("bench with", best, flush=True)
+        default = fn._out_blocks
+
+        def chosen(ch, cz, backward):
+            return {
+                **default(ch, cz, backward),
+                **best[f"out_{'bwd' if backward else 'fwd'}"],
+            }
+
+        fn._out_blocks = chosen
+        triangle_multiplication.run(args.bench, providers=("of3-compile", "kit"))
 
 
 if __name__ == "__main__":
