@@ -63,15 +63,15 @@ def _gate_blocks(ch: int) -> dict:
 
 
 def _out_blocks(ch: int, cz: int, backward: bool) -> dict:
-    """Block sizes of the output kernels: ``BLOCK_R`` positions by every channel.
-    On the H200 at C = 128 (``scripts/gpu_sweep_triangle_multiplication.py``, N = 768
-    and 1024, one program per tile) the forward was fastest at 32 rows and the
-    backward at 64 (1.53 ms against 2.16 at 32 rows and 3.89 at 128), with 4 warps
-    as fast as 8."""
+    """Block sizes of the persistent output kernels: ``BLOCK_R`` positions by every
+    channel. On the H200 at C = 128 (``scripts/gpu_sweep_triangle_multiplication.py``,
+    N = 768 and 1024; log ``docs/benchmarks/logs/2026-12-01-s17-sweep-tm.log``) 64 rows
+    and 2 stages were fastest for both, with 2 programs per SM for the forward
+    (0.225 ms at N=768) and 8 for the backward (1.43 ms; one program per tile: 1.53)."""
     block_ch, block_cz = max(16, next_power_of_2(ch)), max(16, next_power_of_2(cz))
-    block_r = 16 if interpreter_enabled() else 64 if backward else 32
-    return {"BLOCK_R": block_r, "BLOCK_CH": block_ch, "BLOCK_CZ": block_cz,
-            "NUM_STAGES": 2, "num_warps": 4, "PROGRAMS_PER_SM": 4}
+    return {"BLOCK_R": 16 if interpreter_enabled() else 64, "BLOCK_CH": block_ch,
+            "BLOCK_CZ": block_cz, "NUM_STAGES": 2, "num_warps": 4,
+            "PROGRAMS_PER_SM": 8 if backward else 2}
 
 
 def _out_launch(blocks: dict, r: int, batch: int, device: torch.device):
