@@ -293,13 +293,14 @@ def info(as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
     width = shutil.get_terminal_size((100, 20)).columns
-    header = f"{'extension':<24}{'installed':<11}{'available':<11}reason"
+    name_width = max([24, *(len(row["name"]) + 2 for row in rows)])
+    header = f"{'extension':<{name_width}}{'installed':<11}{'available':<11}reason"
     click.echo(header)
     click.echo("-" * min(width, 100))
     for row in rows:
         yes = {True: "yes", False: "no"}
         click.echo(
-            f"{row['name']:<24}{yes[row['installed']]:<11}"
+            f"{row['name']:<{name_width}}{yes[row['installed']]:<11}"
             f"{yes[row['available']]:<11}{row['reason']}"
         )
         if row["docs"]:

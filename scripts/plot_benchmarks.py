@@ -39,6 +39,7 @@ KNOWN_BENCHMARKS = (
     "attention_module",
     "smooth_lddt",
     "transition",
+    "triangle_multiplication",
 )
 SIZE_FIELDS = ("n_token", "n_atom", "n", "N", "seq_len", "n_res", "size")
 SERIES_FIELDS = frozenset({"provider", "dtype", "precision", "variant"})
