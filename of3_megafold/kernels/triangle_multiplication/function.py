@@ -58,6 +58,9 @@ _out_bwd = TunedKernel(_out_bwd_kernel)
 
 
 def _gate_blocks(ch: int) -> dict:
+    """Block sizes of the gate kernels (one program per ``BLOCK_R`` positions by
+    ``BLOCK_C`` channels). The H200 sweep found nothing faster than 64 rows and 4
+    warps; at N=768 both kernels run near the memory bound."""
     return {"BLOCK_R": 16 if interpreter_enabled() else 64,
             "BLOCK_C": min(64, max(16, next_power_of_2(ch))), "num_warps": 4}
 
