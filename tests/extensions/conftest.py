@@ -6,6 +6,17 @@ import torch
 
 
 @pytest.fixture
+def kit():
+    """The kit active with nothing forced, before and after the test (a test that
+    forces an extension cannot leak it into the next)."""
+    from of3_megafold import activate
+
+    activate()
+    yield
+    activate()
+
+
+@pytest.fixture
 def interpreted_kernels():
     """Skip unless the kit's kernels take CPU tensors here. Without the interpreter
     (a GPU machine) CPU tensors take OF3's own path, so a kit-vs-OF3 comparison

@@ -16,13 +16,6 @@ from of3_megafold import activate, registry
 from of3_megafold.errors import KitConfigError
 
 
-@pytest.fixture
-def kit():
-    activate()
-    yield
-    activate()
-
-
 def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     # AF3 initialises several projections to zero; random weights test every path.
     gen = torch.Generator().manual_seed(seed)

@@ -15,13 +15,6 @@ from ml_collections import ConfigDict
 from of3_megafold import activate, registry
 
 
-@pytest.fixture
-def kit():
-    activate()
-    yield
-    activate()
-
-
 def _randomize(module, seed):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

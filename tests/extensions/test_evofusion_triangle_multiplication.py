@@ -18,13 +18,6 @@ NAME = "evofusion_triangle_multiplication"
 
 
 @pytest.fixture
-def kit():
-    activate()
-    yield
-    activate()
-
-
-@pytest.fixture
 def kernel_calls(monkeypatch, interpreted_kernels):
     """The input dtype of every fused autograd call."""
     from of3_megafold.kernels.triangle_multiplication import function as kernels

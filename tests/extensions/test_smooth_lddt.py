@@ -10,13 +10,6 @@ from of3_megafold.errors import KitConfigError
 
 
 @pytest.fixture
-def kit():
-    activate()
-    yield
-    activate()
-
-
-@pytest.fixture
 def kernel_calls(monkeypatch, interpreted_kernels):
     """Calls of the kit's smooth lDDT (a list, one per call)."""
     from of3_megafold.extensions import smooth_lddt as extension
