@@ -252,6 +252,31 @@ def any_key_on(keys: tuple[ConfigKey, ...]) -> Callable[[Any], bool]:
     return requested
 
 
+def exclusive_with_of3_flags(
+    keys: tuple[ConfigKey, ...], of3_flags: tuple[str, ...], what: str
+) -> Callable[[Any], None]:
+    """``Extension.validate`` for memory-flag ``keys`` that replace what OF3's
+    ``settings.memory.<mode>`` flags ``of3_flags`` replace: a key on together with any
+    of those flags in the same mode raises :class:`KitConfigError` naming both and
+    asking for one ``what``."""
+
+    def validate(config: Any) -> None:
+        for key in keys:
+            if not key.read(config):
+                continue
+            mode = key.path[2]
+            section = config.settings.memory[mode]
+            clashing = [flag for flag in of3_flags if section.get(flag)]
+            if clashing:
+                raise KitConfigError(
+                    f"{key.yaml_path} is on together with OF3's "
+                    f"{', '.join(clashing)} in settings.memory.{mode}; "
+                    f"choose one {what} (set the others to false)"
+                )
+
+    return validate
+
+
 def module_enabled(module: Any, name: str, flag: str) -> bool:
     """Whether extension ``name`` runs for ``module``: forced on, or its model's
     ``settings.memory.<mode>.<flag>`` is on."""

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from of3_megafold import registry
-from of3_megafold.errors import KitConfigError
 from of3_megafold.kernels.backend import runs_on, triton_backend
 
 NAME = "evoflash_attention"
@@ -218,20 +217,6 @@ def _patch_attention_forward(original):
     return forward
 
 
-def _validate(config: Any) -> None:
-    for key in KEYS:
-        if not key.read(config):
-            continue
-        section = config.settings.memory[key.path[2]]
-        clashing = [flag for flag in OF3_KERNEL_FLAGS if section.get(flag)]
-        if clashing:
-            raise KitConfigError(
-                f"{key.yaml_path} is on together with OF3's "
-                f"{', '.join(clashing)} in settings.memory.{key.path[2]}; "
-                "choose one attention kernel (set the others to false)"
-            )
-
-
 EXTENSION = registry.register(
     registry.Extension(
         name=NAME,
@@ -248,7 +233,9 @@ EXTENSION = registry.register(
                 _patch_attention_forward,
             ),
         ),
-        validate=_validate,
+        validate=registry.exclusive_with_of3_flags(
+            KEYS, OF3_KERNEL_FLAGS, "attention kernel"
+        ),
         docs="docs/extensions/evoflash_attention.md",
     )
 )

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from of3_megafold import registry
-from of3_megafold.errors import KitConfigError
 from of3_megafold.kernels.backend import runs_on, triton_backend
 
 NAME = "evofusion_triangle_multiplication"
@@ -85,17 +84,6 @@ def _patch_forward(original):
     return forward
 
 
-def _validate(config: Any) -> None:
-    for key in KEYS:
-        section = config.settings.memory[key.path[2]]
-        if key.read(config) and section.get(OF3_KERNEL_FLAG):
-            raise KitConfigError(
-                f"{key.yaml_path} is on together with OF3's {OF3_KERNEL_FLAG} in "
-                f"settings.memory.{key.path[2]}; both replace the triangle "
-                "multiplication: choose one (set the other to false)"
-            )
-
-
 EXTENSION = registry.register(
     registry.Extension(
         name=NAME,
@@ -114,7 +102,9 @@ EXTENSION = registry.register(
                 _patch_forward,
             ),
         ),
-        validate=_validate,
+        validate=registry.exclusive_with_of3_flags(
+            KEYS, (OF3_KERNEL_FLAG,), "triangle multiplication"
+        ),
         docs="docs/extensions/evofusion_triangle_multiplication.md",
     )
 )
