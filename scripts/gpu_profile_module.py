@@ -72,11 +72,8 @@ def _multiplication_call(n: int, provider: str):
     from of3_megafold.bench import triangle_multiplication as bench
 
     device = torch.device("cuda")
-    module = bench._module("outgoing", 128, device)
-    z = torch.randn(1, n, n, 128, device=device, dtype=torch.bfloat16)
-    z.requires_grad_()
-    mask = (torch.rand(1, n, n, device=device) > 0.1).float()
-    return bench._step_fn(provider, module, z, mask, torch.randn_like(z))
+    z, dz, mask = bench.inputs(n, 128, device)
+    return bench._step_fn(provider, bench._module("outgoing", 128, device), z, mask, dz)
 
 
 def profile_case(n: int, provider: str, module: str) -> str:

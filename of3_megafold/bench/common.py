@@ -250,6 +250,29 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def measure_into(
+    row: dict[str, Any],
+    make_step: Callable[[], Callable[[], Any]],
+    skipped: str | None = None,
+) -> Timing | None:
+    """One benchmark row's measurement: ``ms`` and ``peak_mib`` of the step that
+    ``make_step()`` builds (:func:`timed_peak`), or ``skipped`` (why it cannot run
+    here, e.g. a missing package) or ``error: out of memory``; then the step's memory
+    is freed (:func:`free_device_memory`). Returns the timing, ``None`` when there
+    is none."""
+    timing = None
+    if skipped:
+        row["skipped"] = skipped
+    else:
+        try:
+            timing = timed_peak(make_step())
+            row.update(ms=timing.ms, peak_mib=timing.peak_mib)
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "out of memory"
+    free_device_memory()
+    return timing
+
+
 def count_kernel_launches(fn: Callable[[], Any]) -> int | None:
     """Number of CUDA kernels one call of ``fn`` launches (memcpy and memset
     excluded), counted with ``torch.profiler``; ``None`` without CUDA."""

@@ -24,15 +24,15 @@ not the kit's recomputation.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from of3_megafold.bench import rivals
-from of3_megafold.bench.common import append_rows, environment_metadata, timed_peak
+from of3_megafold.bench.common import append_rows, environment_metadata, measure_into
 
 PAIR_SIZES = (384, 768, 1024)
 SINGLE_SIZES = (384, 768)
@@ -154,19 +154,11 @@ def run(
             skipped = None
             if provider in rivals.RIVALS:
                 skipped = rivals.unavailable(provider)
-            try:
-                if skipped:
-                    row["skipped"] = skipped
-                else:
-                    step = _step_fn(provider, module, x, mask, dy)
-                    timing = timed_peak(step)
-                    row.update(ms=timing.ms, peak_mib=timing.peak_mib)
-                    row["tflops"] = 18 * m * c * (n * c) / (timing.ms * 1e-3) / 1e12
-            except torch.cuda.OutOfMemoryError:
-                row["error"] = "out of memory"
-            gc.collect()
-            if on_gpu:
-                torch.cuda.empty_cache()
+            timing = measure_into(
+                row, partial(_step_fn, provider, module, x, mask, dy), skipped
+            )
+            if timing is not None:
+                row["tflops"] = 18 * m * c * (n * c) / (timing.ms * 1e-3) / 1e12
             row.update(meta)
             rows.append(row)
             append_rows(out_json, [row])  # kept if a later case is cut off

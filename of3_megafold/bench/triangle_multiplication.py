@@ -21,15 +21,15 @@ was allocated before it (as in the transition bench).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from of3_megafold.bench import rivals
-from of3_megafold.bench.common import append_rows, environment_metadata, timed_peak
+from of3_megafold.bench.common import append_rows, environment_metadata, measure_into
 
 SIZES = (384, 768, 1024)
 INCOMING_SIZES = (768,)
@@ -58,6 +58,17 @@ def _module(direction: str, c: int, device: torch.device) -> torch.nn.Module:
             scale = 0.1 if p.dim() == 1 else p.shape[1] ** -0.5
             p.copy_(scale * torch.randn(p.shape, generator=gen) + (p.dim() == 1))
     return module
+
+
+def inputs(n: int, c: int, device: torch.device):
+    """``(z, dz, mask)`` of one case: ``z`` (requiring grad) and the output gradient
+    ``dz`` standard normal ``[1, n, n, c]`` bf16, ``mask`` ``[1, n, n]`` fp32 with ~10%
+    zeros; fixed seed, so every provider and every script gets the same values."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    z = torch.randn(1, n, n, c, generator=gen).to(device, torch.bfloat16)
+    dz = torch.randn(1, n, n, c, generator=gen).to(device, torch.bfloat16)
+    mask = (torch.rand(1, n, n, generator=gen) > 0.1).to(device, torch.float32)
+    return z.requires_grad_(), dz, mask
 
 
 def forward_fn(provider: str, module: torch.nn.Module, z, mask):
@@ -127,28 +138,14 @@ def run(
     rows: list[dict[str, Any]] = []
     for case in _cases(quick, on_gpu, sizes):
         n, c = case["N"], case["c"]
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        z = torch.randn(1, n, n, c, generator=gen).to(device, torch.bfloat16)
-        z.requires_grad_()
-        dz = torch.randn(1, n, n, c, generator=gen).to(device, torch.bfloat16)
-        mask = (torch.rand(1, n, n, generator=gen) > 0.1).to(device, torch.float32)
+        z, dz, mask = inputs(n, c, device)
         module = _module(case["direction"], c, device)
         for provider in providers:
             row = dict(bench="triangle_multiplication", case=case["direction"],
                        provider=provider, shape=f"1x{n}x{n}x{c}", N=n, c=c,
                        dtype="bfloat16", mode="fwd+bwd")
             skipped = rivals.unavailable("cueq") if provider == "of3-cueq" else None
-            try:
-                if skipped:
-                    row["skipped"] = skipped
-                else:
-                    timing = timed_peak(_step_fn(provider, module, z, mask, dz))
-                    row.update(ms=timing.ms, peak_mib=timing.peak_mib)
-            except torch.cuda.OutOfMemoryError:
-                row["error"] = "out of memory"
-            gc.collect()
-            if on_gpu:
-                torch.cuda.empty_cache()
+            measure_into(row, partial(_step_fn, provider, module, z, mask, dz), skipped)
             row.update(meta)
             rows.append(row)
             append_rows(out_json, [row])  # kept if a later case is cut off

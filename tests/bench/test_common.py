@@ -12,6 +12,7 @@ from of3_megafold.bench.common import (
     append_rows,
     benchmark_json,
     environment_metadata,
+    measure_into,
     read_rows,
     timed_peak,
     wall_ms_per_call,
@@ -118,3 +119,23 @@ def test_timed_peak_on_cuda_counts_memory_above_the_start():
     # The 64 MiB scratch buffer, not the 256 MiB already resident.
     assert 64 <= timing.peak_mib < 128
     del resident
+
+
+def test_measure_into_times_skips_and_records_out_of_memory():
+    calls = []
+    row = {}
+    timing = measure_into(row, lambda: lambda: calls.append(1))
+    assert timing is not None and row == {"ms": timing.ms, "peak_mib": timing.peak_mib}
+    assert row["ms"] >= 0 and calls
+
+    row = {}
+    assert measure_into(row, lambda: pytest.fail("built"), "no package") is None
+    assert row == {"skipped": "no package"}
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    row = {}
+    assert measure_into(row, out_of_memory) is None
+    assert row == {"error": "out of memory"}
+

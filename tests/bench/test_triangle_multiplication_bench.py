@@ -9,6 +9,18 @@ import torch
 from of3_megafold.bench import triangle_multiplication as bench
 
 
+def test_inputs_are_the_same_for_every_caller():
+    """Scripts that reproduce the benchmark's call get its exact values."""
+    first = bench.inputs(5, 8, torch.device("cpu"))
+    second = bench.inputs(5, 8, torch.device("cpu"))
+    z, dz, mask = first
+    assert z.requires_grad and not dz.requires_grad
+    assert z.shape == dz.shape == (1, 5, 5, 8) and mask.shape == (1, 5, 5)
+    assert set(mask.unique().tolist()) == {0.0, 1.0}
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 def test_kit_provider_is_the_module(direction, device):
     module = bench._module(direction, 16, torch.device(device))
