@@ -65,6 +65,12 @@ def _gate_blocks(ch: int) -> dict:
             "BLOCK_C": min(64, max(16, next_power_of_2(ch))), "num_warps": 4}
 
 
+def _gate_launch(r: int, ch: int, batch: int) -> tuple[tuple[int, int, int], dict]:
+    """``(grid, meta)`` of a gate kernel over ``batch`` items of ``r`` positions."""
+    blocks = _gate_blocks(ch)
+    return (cdiv(r, blocks["BLOCK_R"]), cdiv(ch, blocks["BLOCK_C"]), batch), blocks
+
+
 def _out_blocks(ch: int, cz: int, backward: bool) -> dict:
     """Block sizes of the persistent output kernels: ``BLOCK_R`` positions by every
     channel. On the H200 at C = 128 (``scripts/gpu_sweep_triangle_multiplication.py``,
@@ -97,8 +103,7 @@ def gate_fwd(
     r = n * n
     a_t = proj.new_empty((batch, ch, n, n))
     b_t = torch.empty_like(a_t)
-    blocks = _gate_blocks(ch)
-    grid = (cdiv(r, blocks["BLOCK_R"]), cdiv(ch, blocks["BLOCK_C"]), batch)
+    grid, blocks = _gate_launch(r, ch, batch)
     _gate_fwd[grid](
         proj, mask if mask is not None else proj, a_t, b_t, r, ch, proj.stride(0),
         HAS_MASK=mask is not None, **blocks,
@@ -117,8 +122,7 @@ def gate_bwd(
     given ``dA``/``dB`` ``[batch, ch, n, n]``."""
     batch, _, n, _ = da_t.shape
     r = n * n
-    blocks = _gate_blocks(ch)
-    grid = (cdiv(r, blocks["BLOCK_R"]), cdiv(ch, blocks["BLOCK_C"]), batch)
+    grid, blocks = _gate_launch(r, ch, batch)
     _gate_bwd[grid](
         proj, mask if mask is not None else proj, da_t, db_t, r, ch, proj.stride(0),
         HAS_MASK=mask is not None, **blocks,
