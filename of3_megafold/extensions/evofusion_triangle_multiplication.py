@@ -4,11 +4,11 @@ the output LayerNorm + projection + gate fused around the two batched GEMMs.
 Keys: ``model_update.custom.settings.memory.{train,eval}.use_evofusion_triangle_
 multiplication`` (default false). With a key on, ``TriangleMultiplicativeUpdate``
 (``TriangleMultiplicationOutgoing``/``Incoming`` in the pairformer, MSA module,
-template stack and confidence pairformer) runs
-:func:`~of3_megafold.kernels.triangle_multiplication.triangle_multiplication` on
-16-bit pair activations: the input LayerNorm, the five projections as one GEMM, the
-gates written straight into the batched GEMM's channel-major layout, and the output
-LayerNorm, projection and gate in one pass. The forward keeps ``z`` and the
+template stack and confidence pairformer) runs the fused kernels of
+:mod:`of3_megafold.kernels.triangle_multiplication` on 16-bit pair activations:
+the input LayerNorm, the five projections as one GEMM, the gates written straight
+into the batched GEMM's channel-major layout, and the output LayerNorm, projection
+and gate in one pass. The forward keeps ``z`` and the
 product; the backward recomputes the rest. Parameter names are unchanged, so OF3
 checkpoints load as they are.
 
@@ -66,12 +66,12 @@ def _patch_forward(original):
         if not _fused(self, z, inplace_safe, use_cueq_triangle_kernels):
             return original(self, z, mask, inplace_safe, use_cueq_triangle_kernels,
                             *args, **kwargs)
-        from of3_megafold.kernels.triangle_multiplication import (
-            triangle_multiplication,
+        from of3_megafold.kernels.triangle_multiplication.function import (
+            fused_triangle_multiplication,
         )
 
         ln_in, ln_out = self.layer_norm_in, self.layer_norm_out
-        return triangle_multiplication(
+        return fused_triangle_multiplication(
             z, mask, ln_in.weight, ln_in.bias,
             self.linear_a_p.weight, self.linear_a_g.weight,
             self.linear_b_p.weight, self.linear_b_g.weight, self.linear_g.weight,

@@ -340,6 +340,19 @@ def triangle_multiplication(
             z, mask, ln_in_weight, ln_in_bias, w_a_p, w_a_g, w_b_p, w_b_g, w_g,
             ln_out_weight, ln_out_bias, w_z, outgoing, eps,
         )
+    return fused_triangle_multiplication(
+        z, mask, ln_in_weight, ln_in_bias, w_a_p, w_a_g, w_b_p, w_b_g, w_g,
+        ln_out_weight, ln_out_bias, w_z, outgoing, eps,
+    )
+
+
+def fused_triangle_multiplication(
+    z, mask, ln_in_weight, ln_in_bias, w_a_p, w_a_g, w_b_p, w_b_g, w_g,
+    ln_out_weight, ln_out_bias, w_z, outgoing: bool = True, eps: float = 1e-5,
+) -> torch.Tensor:
+    """:func:`triangle_multiplication` on the kernels, for a caller that has
+    already checked :func:`supports` (OF3's patched module): no check, no
+    fallback."""
     w_in = torch.cat([w_a_p, w_a_g, w_b_p, w_b_g, w_g]).to(z.dtype)
     mask1d = None
     if mask is not None:
