@@ -6,6 +6,7 @@
 # names its log and results (step.r1 -> step.r1.log, step.r1.json), so one session can
 # run a step twice:
 #   bash scripts/gpu_session.sh tests evoflash profile bench-transition@90 "step@200 --no-max-crop"
+#   bash scripts/gpu_session.sh "ncu tri1024 transition768"   # hardware counters (Nsight Compute)
 # Options after a step's name go to its script (tests: pytest arguments instead of
 # tests/kernels tests/extensions):
 #   bash scripts/gpu_session.sh "tests.swiglu@300 tests/kernels/test_swiglu_transition.py -k gpu_" \
@@ -90,6 +91,10 @@ of3_test_stubs() {  # import-only stand-ins (scripts/gpu_stubs/) for what OF3's 
     [ -d .of3-snapshots ] && mkdir -p "$data/snapshots" && cp -r .of3-snapshots/. "$data/snapshots/"
 }
 
+ncu_binary() {  # Nsight Compute: on the PATH, else the image's install
+    command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1
+}
+
 for spec in "$@"; do
     read -r head extra <<<"$spec"
     name=${head%@*}
@@ -119,6 +124,17 @@ for spec in "$@"; do
         # block sizes of the triangle-multiplication kernels (diagnostic)
         # shellcheck disable=SC2086  # $extra: options for the sweep
         sweep-tm) run sweep-tm "${limit:-180}" python3 scripts/gpu_sweep_triangle_multiplication.py $extra ;;
+        # hardware counters of the kit's kernels, one ncu process per case
+        # (scripts/gpu_ncu.py; $extra: case names, default all)
+        # shellcheck disable=SC2086
+        ncu) for case in ${extra:-$(python3 scripts/gpu_ncu.py --list)}; do
+                 run "ncu-$case" "${limit:-240}" "$(ncu_binary)" --profile-from-start off \
+                     --clock-control none --section SpeedOfLight \
+                     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                     --section LaunchStats --section Occupancy --section SchedulerStats \
+                     --section WarpStateStats --section InstructionStats \
+                     python3 scripts/gpu_ncu.py "$case"
+             done ;;
         profile) run profile "${limit:-180}" python3 scripts/gpu_profile_kernels.py "$OUT/profile.txt" ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_profile_module.py
         profile-module) run profile-module "${limit:-180}" python3 scripts/gpu_profile_module.py \

@@ -36,6 +36,7 @@ class Case:
     D: int
     dtype: torch.dtype = torch.float32
     mask: str = "padded"  # none | padded (random keys and whole slices masked)
+    #                       | tail (OF3's crop padding: the last keys masked)
     bias: str = "shared"  # none | shared [B,1,H,N,N] | per_s [B,S,H,N,N]
     #                       | permuted (a [B,1,N,N,H] view) | batch1 [1,1,H,N,N]
     bias_dtype: torch.dtype | None = None  # default: the input dtype
@@ -79,6 +80,17 @@ def make_inputs(case: Case, device: str, seed: int):
             keep[:, 1] = 0.0  # every key of slice 1 masked: uniform weights
         elif N > 1:
             keep[..., N // 2:] = 0.0
+    elif case.mask == "tail":
+        # the last quarter of the keys masked from the last key of a 16-key block,
+        # in every slice but slice 0 (none) and slice 2 (only key 16, a block's
+        # first): the ranges' ends sit on the interpreter's block edges, where the
+        # key blocks before or after them skip the mask (_tiles._key_block_masked)
+        keep = torch.ones(B, S, N)
+        keep[:, 1:, max(0, N * 3 // 4 // 16 * 16 - 1):] = 0.0
+        if N > 32 and S > 2:
+            keep[:, 2] = 1.0
+            keep[:, 2, 16] = 0.0
+    if case.mask != "none":
         # fp16 cannot hold OF3's -1e9 (it becomes -inf, and a fully masked slice
         # NaN in torch and in the fp64 oracle): its cases keep the mask in fp32.
         mask_dtype = torch.float32 if case.dtype == torch.float16 else case.dtype
@@ -205,6 +217,9 @@ CPU_CASES = [
     Case(2, 1, 33, 2, 16, bias="none", packed=3),
     Case(1, 3, 16, 2, 32, high_precision=True, packed=4),
     Case(1, 1, 1, 1, 8, packed=4),
+    # crop padding: key blocks without masked keys skip the mask
+    Case(1, 3, 65, 2, 32, mask="tail"),
+    Case(2, 3, 50, 1, 24, torch.bfloat16, mask="tail", packed=4),
 ]
 
 
@@ -217,6 +232,38 @@ def test_matches_fp64_reference(case, device):
 def test_atomic_dq_variant(device, packed):
     case = Case(1, 3, 33, 2, 24, torch.bfloat16, packed=packed)
     check_case(case, device, seed=1, deterministic=False)
+
+
+def _mask_range_reference(mask_bias: torch.Tensor, n: int) -> torch.Tensor:
+    """(lo, hi) per slice of a ``[BM, SM, 1, 1, N|1]`` mask, in torch."""
+    m = mask_bias[:, :, 0, 0, :].expand(-1, -1, n).float().cpu()
+    out = torch.zeros(*m.shape[:2], 2, dtype=torch.int32)
+    for b, s in itertools.product(range(m.shape[0]), range(m.shape[1])):
+        idx = torch.nonzero(m[b, s] != 0).flatten()
+        if idx.numel():
+            out[b, s] = torch.tensor([idx.min(), idx.max() + 1])
+    return out
+
+
+def test_mask_range(device):
+    """The per-slice range of nonzero key-mask values that decides which key blocks
+    get the mask: random, tail, empty, full and single-key masks, NaN, a mask
+    broadcast over S or over its keys, N past the kernel's block (1024)."""
+    gen = torch.Generator().manual_seed(12)
+    n = 70 if configs.INTERPRET else 1100
+    m = torch.zeros(2, 6, 1, 1, n)
+    m[0, 0] = (torch.rand(n, generator=gen) > 0.7).float() * -INF
+    m[0, 1, ..., n - 9:] = -INF
+    m[0, 3] = -INF
+    m[0, 4, ..., 5] = -0.5
+    m[0, 5, ..., n - 1] = float("nan")
+    m[1, 2, ..., 1:3] = float("-inf")
+    q = torch.zeros(2, 6, n, 1, 16, device=device)
+    for mask in (m, m[:, :1], torch.full((1, 6, 1, 1, 1), -INF),
+                 torch.zeros(2, 1, 1, 1, 1)):
+        got = function._Inputs(q, q, q, mask.to(device), None).mask_range()
+        torch.testing.assert_close(got.cpu(), _mask_range_reference(mask, n),
+                                   rtol=0, atol=0)
 
 
 def test_packed_gradient_is_one_tensor(device):
@@ -381,6 +428,9 @@ GPU_CASES = [
     Case(1, 256, 256, 4, 32, torch.bfloat16, bias="permuted", packed=4),
     Case(1, 4, 300, 2, 48, torch.bfloat16, packed=4),
     Case(1, 4, 129, 2, 64, torch.float16, packed=3),
+    # crop padding: key blocks without masked keys skip the mask
+    Case(1, 4, 300, 4, 32, torch.bfloat16, mask="tail"),
+    Case(1, 48, 300, 16, 48, torch.bfloat16, mask="tail", packed=4),
 ]
 
 

@@ -34,8 +34,10 @@ from ._tiles import (
     LOG2E,
     _cast,
     _dot,
+    _key_block_masked,
     _load_bias,
     _load_key_mask,
+    _load_mask_range,
     _load_rowstat,
     _load_tile,
     _row_ptr,
@@ -97,7 +99,7 @@ def _evoflash_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_block(
-    dk, dv, k, v, key_mask, bias_t, needs_r,
+    dk, dv, k, v, key_mask, masked, bias_t, needs_r,
     Q_row, DO_row, LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D,
     stride_qn, stride_don, sm_scale,
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
@@ -105,7 +107,8 @@ def _dkdv_query_block(
 ):
     """dK/dV of one key block and one S slice, from the query block ``offs_m``.
     Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
-    dots without a layout change; the bias comes pre-transposed. ``r`` enters dS
+    dots without a layout change; the bias comes pre-transposed; ``masked``: the
+    key block needs its column mask (``_tiles._key_block_masked``). ``r`` enters dS
     through an FMA; it reaches dV (a per-query factor inside the sum) only in the
     S slices that hold a fully masked query, ``needs_r``, so elsewhere dO goes to
     the tensor cores as loaded."""
@@ -120,8 +123,9 @@ def _dkdv_query_block(
     s_t = _dot(k, tl.trans(q), None, PRECISION) * sm_scale
     if HAS_BIAS:
         s_t += bias_t
-    if COL_MASK:
-        s_t += key_mask[:, None]
+    if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if masked:
+            s_t += key_mask[:, None]
     p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION)
     ds_t = p_t * (dp_t * r[None, :] - delta[None, :])
@@ -134,14 +138,14 @@ def _dkdv_query_block(
 
 @triton.jit
 def _evoflash_bwd_dkdv_kernel(
-    Q, K, V, DO, MASK, BIAS_T, LSE, RSCALE, RFLAG, DELTA, DK, DV,
+    Q, K, V, DO, MASK, BIAS_T, LSE, RSCALE, RFLAG, DELTA, DK, DV, KRANGE,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
     stride_dob, stride_dos, stride_don, stride_doh,
     stride_gb, stride_gs, stride_gn, stride_gh,
-    stride_mb, stride_ms, stride_mn,
+    stride_mb, stride_ms, stride_mn, stride_rb, stride_rs,
     stride_bb, stride_bs, stride_bh, stride_bi,
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
@@ -170,6 +174,8 @@ def _evoflash_bwd_dkdv_kernel(
                     offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     mask0 = _load_key_mask(MASK, b, s0, offs_n, N, stride_mb, stride_ms, stride_mn,
                            HAS_MASK, EVEN_N)
+    lo, hi = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, HAS_MASK)
+    masked0 = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
     Q0 = _row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh)
     DO0 = _row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh)
     needs_r0 = tl.load(RFLAG + b * S + s0) != 0
@@ -185,6 +191,8 @@ def _evoflash_bwd_dkdv_kernel(
                         PRECISION > 0)
         mask1 = _load_key_mask(MASK, b, s1, offs_n, N, stride_mb, stride_ms,
                                stride_mn, HAS_MASK, EVEN_N)
+        lo, hi = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, HAS_MASK)
+        masked1 = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
         Q1 = _row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh)
         DO1 = _row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh)
         needs_r1 = tl.load(RFLAG + b * S + s1) != 0
@@ -199,7 +207,7 @@ def _evoflash_bwd_dkdv_kernel(
         else:
             bias_t = 0.0
         dk0, dv0 = _dkdv_query_block(
-            dk0, dv0, k0, v0, mask0, bias_t, needs_r0, Q0, DO0,
+            dk0, dv0, k0, v0, mask0, masked0, bias_t, needs_r0, Q0, DO0,
             _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
             _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
             stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
@@ -209,7 +217,7 @@ def _evoflash_bwd_dkdv_kernel(
                 bias_t = _load_bias(BIAS_T, b, s1, h, offs_n, offs_m, N, stride_bb,
                                     stride_bs, stride_bh, stride_bi, EVEN_N)
             dk1, dv1 = _dkdv_query_block(
-                dk1, dv1, k1, v1, mask1, bias_t, needs_r1, Q1, DO1,
+                dk1, dv1, k1, v1, mask1, masked1, bias_t, needs_r1, Q1, DO1,
                 _stat_ptr(LSE, b, s1, h, S, H, N),
                 _stat_ptr(RSCALE, b, s1, h, S, H, N),
                 _stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
@@ -233,21 +241,23 @@ def _evoflash_bwd_dkdv_kernel(
 
 @triton.jit
 def _ds_block(
-    q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s_idx, offs_n, offs_d, N, D,
-    stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
+    q, do, lse, r, delta, bias, masked, k_t, V_row, MASK, b, s_idx, offs_n, offs_d,
+    N, D, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice."""
+    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice; ``masked``: the key
+    block needs its column mask (``_tiles._key_block_masked``)."""
     v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
     s = _dot(q, k_t, None, PRECISION) * sm_scale
     if HAS_BIAS:
         s += bias
-    if COL_MASK:
-        key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb, stride_ms,
-                                  stride_mn, HAS_MASK, EVEN_N)
-        s += key_mask[None, :]
+    if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if masked:
+            key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb,
+                                      stride_ms, stride_mn, HAS_MASK, EVEN_N)
+            s += key_mask[None, :]
     p = tl.math.exp2(s * LOG2E - lse[:, None])
     dp = _dot(do, v_t, None, PRECISION)
     return p * (dp * r[:, None] - delta[:, None])
@@ -255,7 +265,7 @@ def _ds_block(
 
 @triton.jit
 def _dq_key_block(
-    dq, q, do, lse, r, delta, bias,
+    dq, q, do, lse, r, delta, bias, masked,
     K_row, V_row, MASK, DB_row, b, s, offs_m, offs_n, offs_d, N, D,
     stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, stride_dbi,
     sm_scale, n_rows,
@@ -265,8 +275,8 @@ def _dq_key_block(
 ):
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
-    ds = _ds_block(q, do, lse, r, delta, bias, k_t, V_row, MASK, b, s, offs_n,
-                   offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
+    ds = _ds_block(q, do, lse, r, delta, bias, masked, k_t, V_row, MASK, b, s,
+                   offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
                    sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
                    PRECISION)
     if STORE_DS:
@@ -280,14 +290,14 @@ def _dq_key_block(
 
 @triton.jit
 def _evoflash_bwd_dq_kernel(
-    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ, DBIAS,
+    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ, DBIAS, KRANGE,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
     stride_dob, stride_dos, stride_don, stride_doh,
     stride_gb, stride_gs, stride_gn, stride_gh,
-    stride_mb, stride_ms, stride_mn,
+    stride_mb, stride_ms, stride_mn, stride_rb, stride_rs,
     stride_bb, stride_bs, stride_bh, stride_bi,
     stride_dbb, stride_dbs, stride_dbh, stride_dbi,
     S, N, H, D,
@@ -325,6 +335,7 @@ def _evoflash_bwd_dq_kernel(
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
     DB0 = _row_ptr(DBIAS, b, s0, h, stride_dbb, stride_dbs, stride_dbh)
+    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, HAS_MASK)
     dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
@@ -343,6 +354,7 @@ def _evoflash_bwd_dq_kernel(
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
         DB1 = _row_ptr(DBIAS, b, s1, h, stride_dbb, stride_dbs, stride_dbh)
+        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, HAS_MASK)
         dq1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     for start_n in range(0, N, BLOCK_N):
@@ -353,7 +365,9 @@ def _evoflash_bwd_dq_kernel(
         else:
             bias = 0.0
         dq0 = _dq_key_block(
-            dq0, q0, do0, lse0, r0, delta0, bias, K0, V0, MASK, DB0, b, s0,
+            dq0, q0, do0, lse0, r0, delta0, bias,
+            _key_block_masked(start_n, lo0, hi0, N, BLOCK_N), K0, V0, MASK, DB0,
+            b, s0,
             offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb, stride_ms,
             stride_mn, stride_dbi, sm_scale, N, HAS_MASK, HAS_BIAS,
             COL_MASK, EVEN_N, PAD_D, PRECISION, COMPUTE_DQ, STORE_DS)
@@ -363,7 +377,9 @@ def _evoflash_bwd_dq_kernel(
                                             stride_bb, stride_bs, stride_bh,
                                             stride_bi, EVEN_N)
             dq1 = _dq_key_block(
-                dq1, q1, do1, lse1, r1, delta1, bias, K1, V1, MASK, DB1, b, s1,
+                dq1, q1, do1, lse1, r1, delta1, bias,
+                _key_block_masked(start_n, lo1, hi1, N, BLOCK_N), K1, V1, MASK, DB1,
+                b, s1,
                 offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb,
                 stride_ms, stride_mn, stride_dbi, sm_scale,
                 tl.where(s0 + 1 < S, N, 0),
@@ -384,14 +400,14 @@ def _evoflash_bwd_dq_kernel(
 
 @triton.jit
 def _evoflash_bwd_dbias_kernel(
-    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ_ACC, DBIAS_PART,
+    Q, K, V, DO, MASK, BIAS, LSE, RSCALE, DELTA, DQ_ACC, DBIAS_PART, KRANGE,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
     stride_dob, stride_dos, stride_don, stride_doh,
     stride_gb, stride_gs, stride_gn, stride_gh,
-    stride_mb, stride_ms, stride_mn,
+    stride_mb, stride_ms, stride_mn, stride_rb, stride_rs,
     stride_bb, stride_bh, stride_bi,
     stride_dbp, stride_dbb, stride_dbh, stride_dbi,
     B, S, N, H, D, S_CHUNK,
@@ -425,8 +441,14 @@ def _evoflash_bwd_dbias_kernel(
     dbias = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_lo = split * S_CHUNK
     s_hi = tl.minimum(S, s_lo + S_CHUNK)
+    # each slice's mask range is loaded a slice ahead: its latency hides behind the
+    # previous slice's work instead of stalling the branch on it
+    lo, hi = _load_mask_range(KRANGE, b, s_lo + zero, stride_rb, stride_rs, HAS_MASK)
     for s_idx in range(s_lo, s_hi):
         s = s_idx + zero  # a tensor under the interpreter too (int64 offsets)
+        masked = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
+        lo, hi = _load_mask_range(KRANGE, b, tl.minimum(s + 1, S - 1), stride_rb,
+                                  stride_rs, HAS_MASK)
         q = _load_tile(_row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh), offs_m,
                        offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
         do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh),
@@ -440,7 +462,7 @@ def _evoflash_bwd_dbias_kernel(
         r = _load_rowstat(_stat_ptr(RSCALE, b, s, h, S, H, N), offs_m, N, 0.0, EVEN_N)
         delta = _load_rowstat(_stat_ptr(DELTA, b, s, h, S, H, N), offs_m, N, 0.0,
                               EVEN_N)
-        ds = _ds_block(q, do, lse, r, delta, bias, k_t,
+        ds = _ds_block(q, do, lse, r, delta, bias, masked, k_t,
                        _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
                        b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
                        stride_mn, sm_scale, HAS_MASK, True, COL_MASK, EVEN_N,

@@ -24,8 +24,10 @@ from ._tiles import (
     LOG2E,
     _cast,
     _dot,
+    _key_block_masked,
     _load_bias,
     _load_key_mask,
+    _load_mask_range,
     _load_tile,
     _row_ptr,
     _stat_ptr,
@@ -33,14 +35,40 @@ from ._tiles import (
 
 
 @triton.jit
+def _evoflash_mask_range_kernel(
+    MASK, KRANGE, N, SM, stride_mb, stride_ms, stride_mn, BLOCK: tl.constexpr,
+):
+    """Per slice ``(b, s)`` of a key mask ``[BM, SM, N]`` (strided; one program per
+    slice), the int32 pair ``KRANGE[b, s] = (lo, hi)``: the keys ``[lo, hi)`` hold all
+    its nonzero values, ``(0, 0)`` if there are none. The kernels add the key mask
+    only to key blocks that overlap that range (``_tiles._key_block_masked``); OF3's
+    masks are padding at the end of the crop, one such range per slice."""
+    pid = tl.program_id(0)
+    b = pid // SM
+    s = pid % SM
+    row = MASK + b.to(tl.int64) * stride_mb + s.to(tl.int64) * stride_ms
+    lo = N
+    hi = 0
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = tl.load(row + offs * stride_mn, mask=offs < N, other=0.0)
+        nonzero = (m != 0) & (offs < N)  # NaN counts as nonzero
+        lo = tl.minimum(lo, tl.min(tl.where(nonzero, offs, N), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(nonzero, offs + 1, 0), 0))
+    tl.store(KRANGE + pid * 2, tl.where(hi > 0, lo, 0))
+    tl.store(KRANGE + pid * 2 + 1, hi)
+
+
+@triton.jit
 def _fwd_key_block(
-    acc, m_i, l_i, q, bias,
+    acc, m_i, l_i, q, bias, masked,
     K_row, V_row, MASK, b, s_idx, offs_n, offs_d, N, D,
     stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One online-softmax step of one S slice over the key block ``offs_n``."""
+    """One online-softmax step of one S slice over the key block ``offs_n``;
+    ``masked``: the block needs the column mask (``_tiles._key_block_masked``)."""
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
     v = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
@@ -48,10 +76,11 @@ def _fwd_key_block(
     s = _dot(q, k_t, None, PRECISION) * sm_scale
     if HAS_BIAS:
         s += bias
-    if COL_MASK:
-        key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb, stride_ms,
-                                  stride_mn, HAS_MASK, EVEN_N)
-        s += key_mask[None, :]
+    if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if masked:
+            key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb,
+                                      stride_ms, stride_mn, HAS_MASK, EVEN_N)
+            s += key_mask[None, :]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.math.exp2(s * LOG2E - (m_new * LOG2E)[:, None])
     alpha = tl.math.exp2((m_i - m_new) * LOG2E)
@@ -87,13 +116,13 @@ def _fwd_store(
 
 @triton.jit
 def _evoflash_fwd_kernel(
-    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE, RFLAG, GATE,
+    Q, K, V, MASK, BIAS, OUT, LSE, RSCALE, RFLAG, GATE, KRANGE,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
     stride_ob, stride_os, stride_on, stride_oh,
-    stride_mb, stride_ms, stride_mn,
+    stride_mb, stride_ms, stride_mn, stride_rb, stride_rs,
     stride_bb, stride_bs, stride_bh, stride_bi,
     stride_gtb, stride_gts, stride_gtn, stride_gth,
     S, N, H, D,
@@ -124,6 +153,7 @@ def _evoflash_fwd_kernel(
                     offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
+    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, HAS_MASK)
     acc0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -135,6 +165,7 @@ def _evoflash_fwd_kernel(
                         PRECISION > 0)
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
+        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, HAS_MASK)
         acc1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -147,7 +178,8 @@ def _evoflash_fwd_kernel(
         else:
             bias = 0.0
         acc0, m0, l0 = _fwd_key_block(
-            acc0, m0, l0, q0, bias, K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
+            acc0, m0, l0, q0, bias, _key_block_masked(start_n, lo0, hi0, N, BLOCK_N),
+            K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
             stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
             HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION)
         if S_GROUP == 2:
@@ -156,10 +188,11 @@ def _evoflash_fwd_kernel(
                                             stride_bb, stride_bs, stride_bh,
                                             stride_bi, EVEN_N)
             acc1, m1, l1 = _fwd_key_block(
-                acc1, m1, l1, q1, bias, K1, V1, MASK, b, s1, offs_n, offs_d, N,
-                D, stride_kn, stride_vn, stride_mb, stride_ms, stride_mn,
-                sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                PRECISION)
+                acc1, m1, l1, q1, bias,
+                _key_block_masked(start_n, lo1, hi1, N, BLOCK_N),
+                K1, V1, MASK, b, s1, offs_n, offs_d, N, D,
+                stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
+                HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION)
 
     _fwd_store(acc0, m0, l0,
                _row_ptr(OUT, b, s0, h, stride_ob, stride_os, stride_oh),

@@ -139,6 +139,32 @@ def _load_key_mask(
 
 
 @triton.jit
+def _load_mask_range(KRANGE, b, s, stride_rb, stride_rs, HAS_MASK: tl.constexpr):
+    """``(lo, hi)``: keys ``[lo, hi)`` hold every nonzero value of slice ``(b, s)``'s
+    key mask (``(0, 0)`` when it has none, or without a mask). ``KRANGE`` is the
+    int32 ``[B, S, 2]`` that ``_evoflash_mask_range_kernel`` writes."""
+    if HAS_MASK:
+        ptr = KRANGE + b.to(tl.int64) * stride_rb + s.to(tl.int64) * stride_rs
+        lo = tl.load(ptr)
+        hi = tl.load(ptr + 1)
+    else:
+        lo = 0
+        hi = 0
+    return lo, hi
+
+
+@triton.jit
+def _key_block_masked(start_n, lo, hi, N, BLOCK_N: tl.constexpr):
+    """Whether the keys ``[start_n, start_n + BLOCK_N)`` need the column mask: the
+    block runs past N, or it overlaps the slice's nonzero mask range ``[lo, hi)``.
+    Elsewhere the key mask is all zeros and its load and add are skipped (a block-
+    uniform branch): per logit they were about two of the kernels' 11-18
+    instructions (docs/benchmarks.md, session 18)."""
+    end = start_n + BLOCK_N
+    return (end > N) | ((start_n < hi) & (end > lo))
+
+
+@triton.jit
 def _load_bias(
     BIAS, b, s, h, offs_i, offs_j, N,
     stride_bb, stride_bs, stride_bh, stride_bi,

@@ -24,7 +24,7 @@ from ._bwd import (
     _evoflash_bwd_dq_kernel,
     _evoflash_bwd_preprocess_kernel,
 )
-from ._fwd import _evoflash_fwd_kernel
+from ._fwd import _evoflash_fwd_kernel, _evoflash_mask_range_kernel
 
 _HEURISTICS = {
     "EVEN_N": lambda a: a["N"] % a["BLOCK_M"] == 0 and a["N"] % a["BLOCK_N"] == 0,
@@ -76,6 +76,7 @@ _dbias = _tunable(_evoflash_bwd_dbias_kernel, "dbias",
                   _KEY + ["FUSE_DQ"], reset_to_zero=["DQ_ACC"])
 _preprocess = TunedKernel(_evoflash_bwd_preprocess_kernel)
 _dbias_sum = TunedKernel(_evoflash_bwd_dbias_sum_kernel, options={"num_warps": 4})
+_mask_range = TunedKernel(_evoflash_mask_range_kernel, options={"num_warps": 4})
 
 
 def _precision(high_precision: bool) -> int:
@@ -182,6 +183,30 @@ class _Inputs:
             BLOCK_D=configs.d_block(self.D),
         )
 
+    def mask_range(self) -> torch.Tensor | None:
+        """int32 ``[BM, SM, 2]`` over the key mask's own (unbroadcast) B and S: per
+        slice, the keys ``[lo, hi)`` that hold its nonzero values (one launch of
+        ``_evoflash_mask_range_kernel``); None without a mask. The kernels add the
+        mask only to the key blocks that overlap that range."""
+        if self.mask is None:
+            return None
+        m = self.mask[:, :, 0, 0, :].expand(-1, -1, self.N)
+        bm, sm = m.shape[:2]
+        out = torch.empty((bm, sm, 2), dtype=torch.int32, device=m.device)
+        _mask_range[(bm * sm,)](m, out, self.N, sm, *m.stride(),
+                                BLOCK=min(1024, triton.next_power_of_2(self.N)))
+        return out
+
+    def mask_range_args(self, krange: torch.Tensor | None,
+                        placeholder: torch.Tensor) -> dict:
+        """The kernels' ``KRANGE`` and its (b, s) strides (0 where the mask is
+        broadcast); ``placeholder``, an int32 tensor, without a mask."""
+        if krange is None:
+            return dict(KRANGE=placeholder, stride_rb=0, stride_rs=0)
+        return dict(KRANGE=krange,
+                    stride_rb=krange.stride(0) if krange.shape[0] > 1 else 0,
+                    stride_rs=krange.stride(1) if krange.shape[1] > 1 else 0)
+
     def bias_args(self) -> dict:
         sb, ss, sh, si = self.bias_strides
         return dict(stride_bb=sb, stride_bs=ss, stride_bh=sh, stride_bi=si,
@@ -195,16 +220,18 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
 
 def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
                  gate: torch.Tensor | None = None):
-    """Launch the forward kernel. Returns ``(o, lse, r, flags)``: the output in the
-    input layout and dtype (times ``sigmoid(gate)`` with a ``[B, S, N, H, D]``
-    gate), the two fp32 ``[B, S, H, N]`` row statistics and the backward's int32
-    ``[B, S]`` fully-masked-query flags, zeroed here."""
+    """Launch the forward kernel. Returns ``(o, lse, r, flags, krange)``: the
+    output in the input layout and dtype (times ``sigmoid(gate)`` with a
+    ``[B, S, N, H, D]`` gate), the two fp32 ``[B, S, H, N]`` row statistics, the
+    backward's int32 ``[B, S]`` fully-masked-query flags, zeroed here, and the key
+    mask's ranges (:meth:`_Inputs.mask_range`; None without a mask)."""
     B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
     q = inp.q
     o = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, S, H, N), dtype=torch.float32, device=q.device)
     r = torch.empty_like(lse)
     flags = torch.empty((B, S), dtype=torch.int32, device=q.device)
+    krange = inp.mask_range()
 
     def grid(meta):
         return (cdiv(N, meta["BLOCK_M"]) * cdiv(S, meta["S_GROUP"])
@@ -227,8 +254,9 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
         stride_gtb=sgtb, stride_gts=sgts, stride_gtn=sgtn, stride_gth=sgth,
         GATED=gate is not None,
         **inp.common_args(high_precision), **inp.bias_args(),
+        **inp.mask_range_args(krange, flags),  # last tensor: see evoflash_bwd
     )
-    return o, lse, r, flags
+    return o, lse, r, flags, krange
 
 
 def _dbias_splits(inp: _Inputs, device: torch.device) -> int:
@@ -257,7 +285,7 @@ def _finish_dbias(grad: torch.Tensor, inp: _Inputs) -> torch.Tensor:
 
 
 def evoflash_bwd(
-    inp: _Inputs, do: torch.Tensor, o, lse, r, flags, scale: float,
+    inp: _Inputs, do: torch.Tensor, o, lse, r, flags, krange, scale: float,
     high_precision: bool,
     deterministic: bool, need_dq: bool, need_dkdv: bool, need_dbias: bool,
     gate: torch.Tensor | None = None, grads: tuple | None = None,
@@ -322,6 +350,9 @@ def evoflash_bwd(
         stride_gb=sgb, stride_gs=sgs, stride_gn=sgn, stride_gh=sgh,
         **inp.common_args(high_precision),
     )
+    # the last tensor of every launch: the tuning key lists the tensors' dtypes in
+    # the call's order, and the shipped table's keys had it appended
+    range_args = inp.mask_range_args(krange, flags)
     bias = inp.bias if inp.bias is not None else q
     dq = dk = dv = dbias = None
 
@@ -346,7 +377,7 @@ def evoflash_bwd(
                     * H * B,)
 
         _dkdv[grid_dkdv](DK=dk, DV=dv, BIAS_T=bias_t, RFLAG=flags, **args,
-                         **bias_args)
+                         **bias_args, **range_args)
 
     need_dbias = need_dbias and inp.bias is not None
     reduce_over_s = need_dbias and S > 1 and not inp.bias_per_s
@@ -382,7 +413,7 @@ def evoflash_bwd(
             stride_bb=sb, stride_bh=sh, stride_bi=si,
             stride_dbp=part.stride(0), stride_dbb=part.stride(1),
             stride_dbh=part.stride(2), stride_dbi=part.stride(3),
-            B=B, S_CHUNK=s_chunk, FUSE_DQ=fuse_dq,
+            B=B, S_CHUNK=s_chunk, FUSE_DQ=fuse_dq, **range_args,
         )
         if splits > 1:
             block = 1024
@@ -413,7 +444,7 @@ def evoflash_bwd(
             DBIAS=dbias if store_ds else unused,
             stride_dbb=db_strides[0], stride_dbs=db_strides[1],
             stride_dbh=db_strides[2], stride_dbi=db_strides[3],
-            COMPUTE_DQ=need_dq and not fuse_dq, STORE_DS=store_ds,
+            COMPUTE_DQ=need_dq and not fuse_dq, STORE_DS=store_ds, **range_args,
         )
 
     if dbias is not None:
@@ -425,7 +456,7 @@ def _forward(ctx, inp: _Inputs, scale, high_precision: bool, deterministic: bool
              gate: torch.Tensor | None = None):
     """The forward of both autograd functions: keeps on ``ctx`` what their backward
     needs besides the saved tensors and runs the kernel. Returns ``(o, (lse, r,
-    flags))``, or ``(an empty o, None)`` for an empty input (``ctx.empty``).
+    flags, krange))``, or ``(an empty o, None)`` for an empty input (``ctx.empty``).
 
     The backward reuses the checked views' strides and flags; the tensors travel
     through save_for_backward (in-place modification checks, and freed after the
@@ -453,10 +484,10 @@ def _require_device(t: torch.Tensor, name: str) -> None:
 class EvoFlashAttentionFunction(torch.autograd.Function):
     """Autograd function behind :func:`evoflash_attention` (same arguments).
 
-    Saves Q, K, V, O, two fp32 statistics per query row and a flag per S slice
-    (a fully masked query there: the backward's preprocess sets it); the
-    probabilities are recomputed in backward. The mask bias gets no gradient (it
-    is a mask).
+    Saves Q, K, V, O, two fp32 statistics per query row, a flag per S slice
+    (a fully masked query there: the backward's preprocess sets it) and the key
+    mask's nonzero range per slice; the probabilities are recomputed in backward.
+    The mask bias gets no gradient (it is a mask).
     """
 
     @staticmethod
@@ -476,10 +507,10 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
             bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
                          if ctx.needs_input_grad[4] else None)
             return (*grads, None, bias_grad, None, None, None)
-        *tensors, o, lse, r, flags = ctx.saved_tensors
+        *tensors, o, lse, r, flags, krange = ctx.saved_tensors
         need_dq, need_dk, need_dv, _, need_dbias = ctx.needs_input_grad[:5]
         dq, dk, dv, dbias = evoflash_bwd(
-            ctx.inp.with_tensors(*tensors), do, o, lse, r, flags, ctx.scale,
+            ctx.inp.with_tensors(*tensors), do, o, lse, r, flags, krange, ctx.scale,
             ctx.high_precision, ctx.deterministic, need_dq, need_dk or need_dv,
             need_dbias,
         )
@@ -516,12 +547,12 @@ class EvoFlashPackedAttentionFunction(torch.autograd.Function):
             bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
                          if need_dbias else None)
             return dqkv, None, bias_grad, None, None, None
-        qkv, mask, bias, o, lse, r, flags = ctx.saved_tensors
+        qkv, mask, bias, o, lse, r, flags, krange = ctx.saved_tensors
         q, k, v, *gate = qkv.unbind(3)
         # a gate gradient is written even when only the bias needs a gradient
         dqkv = torch.empty_like(qkv) if need_qkv or gate else None
         _, _, _, dbias = evoflash_bwd(
-            ctx.inp.with_tensors(q, k, v, mask, bias), do, o, lse, r, flags,
+            ctx.inp.with_tensors(q, k, v, mask, bias), do, o, lse, r, flags, krange,
             ctx.scale, ctx.high_precision, ctx.deterministic, need_qkv, need_qkv,
             need_dbias, gate[0] if gate else None,
             dqkv.unbind(3) if dqkv is not None else None,
