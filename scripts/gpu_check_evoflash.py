@@ -9,6 +9,8 @@ Usage (on the GPU machine, from the repository root)::
                                                       # tune over a wider config list
     python scripts/gpu_check_evoflash.py --no-check --wide --sizes --providers kit \
         --no-diffusion --no-trunk --diffusion-hp      # the same for the fp32 tiles
+    python scripts/gpu_check_evoflash.py --no-check --sizes 1024 --no-diffusion \
+        --no-trunk --providers kit --maxnreg 128 168  # register-capped configs too
     python scripts/gpu_check_evoflash.py --every-config --no-check --sizes \
         --no-diffusion --no-trunk                     # every listed config, checked
 
@@ -180,6 +182,24 @@ def widen_tuning() -> None:
         tuner.cache_results = False
 
 
+def cap_registers(caps: list[int]) -> None:
+    """Add to each kernel's 16-bit list a copy of every 4-warp config per register
+    cap in ``caps`` (Triton's ``maxnreg``): the compiler then fits the kernel in that
+    many registers, so more programs share an SM (session 18's counters: 8-16 of 64
+    warps resident, 33-50% of issue slots idle). Tuned afresh, as ``--wide``."""
+    os.environ["OF3_MEGAFOLD_TUNED_CONFIGS"] = "0"  # read at the first launch
+    for tuner in TUNED.values():
+        capped = [
+            triton.Config(dict(c.kwargs), num_warps=c.num_warps,
+                          num_stages=c.num_stages, maxnreg=cap)
+            for c in tuner.configs
+            if id(c) not in evoflash_configs.FP32_CONFIGS and c.num_warps == 4
+            for cap in caps
+        ]
+        tuner.configs = tuner.configs + capped
+        tuner.cache_results = False
+
+
 def time_shape(name: str, shape, providers, high_precision: bool = False) -> None:
     B, S, N, H, D = shape
     flops = 3.5 * 4 * B * S * H * N * N * D
@@ -246,6 +266,9 @@ def main() -> int:
                         default=["kit", "kit-atomic", "sdpa", "of3-triton"])
     parser.add_argument("--wide", action="store_true",
                         help="tune over a wider config grid first")
+    parser.add_argument("--maxnreg", type=int, nargs="+", metavar="REGS",
+                        help="also tune register-capped copies of the 4-warp "
+                             "configs (cap_registers)")
     parser.add_argument("--diffusion", action=argparse.BooleanOptionalAction,
                         default=True, help="time the diffusion shape")
     parser.add_argument("--trunk", action=argparse.BooleanOptionalAction,
@@ -262,6 +285,8 @@ def main() -> int:
         ok = every_config_checks()
     if args.wide:
         widen_tuning()
+    if args.maxnreg:
+        cap_registers(args.maxnreg)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__)
     if not args.no_check:
