@@ -47,6 +47,8 @@ if [ -f "$SITE/.of3mf-installed" ]; then
             >"$SITE/rdkit/Chem/Draw/__init__.py"
     fi
     export PYTHONPATH="$SITE:$PWD"
+else  # no wheels carried: the kit's kernels need only torch and Triton
+    export PYTHONPATH="$PWD"
 fi
 # DeepSpeed builds its evoformer op on first use: CUTLASS's headers from the
 # nvidia-cutlass wheel, the build kept beside the wheels

@@ -48,7 +48,7 @@ KERNELS = {  # name -> (module, function)
     "dbias": ("_bwd", "_evoflash_bwd_dbias_kernel"),
 }
 FP32_POINTERS = {"LSE", "RSCALE", "DELTA", "DQ_ACC", "DBIAS_PART"}
-INT_POINTERS = {"RFLAG"}
+INT_POINTERS = {"RFLAG", "KRANGE"}
 FLAGS = {  # constexpr flags of a triangle-attention call (OF3's training path)
     "HAS_MASK": True, "HAS_BIAS": True, "BIAS_PER_S": False, "GATED": False,
     "PRECISION": 0, "COMPUTE_DQ": True, "STORE_DS": False, "FUSE_DQ": False,
@@ -91,6 +91,7 @@ def _argument_values(shape: tuple[int, ...], s_chunk: int) -> dict[str, int]:
     values = {"B": B, "S": S, "N": N, "H": H, "D": D, "S_CHUNK": s_chunk,
               "N_BUCKET": n_bucket(N), "S_BUCKET": s_bucket(S),
               "stride_mb": S * N, "stride_ms": N, "stride_mn": 1,
+              "stride_rb": S * 2, "stride_rs": 2,
               "stride_bb": H * N * N, "stride_bs": 0, "stride_bh": N * N,
               "stride_bi": N, "stride_dbp": B * H * N * N, "stride_dbb": H * N * N,
               "stride_dbs": 0, "stride_dbh": N * N, "stride_dbi": N}
