@@ -223,8 +223,16 @@ CPU_CASES = [
 ]
 
 
+def _with_mask_ranges(case: Case, monkeypatch) -> None:
+    """Tail-mask cases compute their mask ranges at any size (the kit does from
+    ``MASK_RANGE_MIN_LOGITS``); the other masked cases add the mask to every block."""
+    if case.mask == "tail":
+        monkeypatch.setattr(function, "MASK_RANGE_MIN_LOGITS", 0)
+
+
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
-def test_matches_fp64_reference(case, device):
+def test_matches_fp64_reference(case, device, monkeypatch):
+    _with_mask_ranges(case, monkeypatch)
     check_case(case, device, seed=zlib.crc32(str(case).encode()))
 
 
@@ -264,6 +272,21 @@ def test_mask_range(device):
         got = function._Inputs(q, q, q, mask.to(device), None).mask_range()
         torch.testing.assert_close(got.cpu(), _mask_range_reference(mask, n),
                                    rtol=0, atol=0)
+
+
+def test_mask_ranges_only_where_they_pay(device, monkeypatch):
+    """Below ``MASK_RANGE_MIN_LOGITS`` no ranges are computed (one launch less on
+    host-bound calls) and the mask reaches every key block; from it they are."""
+    case = Case(1, 3, 40, 2, 16, mask="tail")
+    q, k, v, mask_bias, pair_bias, _ = make_inputs(case, device, seed=13)
+    logits = 3 * 2 * 40 * 40
+    for threshold, computed in ((logits + 1, False), (logits, True)):
+        monkeypatch.setattr(function, "MASK_RANGE_MIN_LOGITS", threshold)
+        inp = function._Inputs(q, k, v, mask_bias, pair_bias)
+        assert inp.mask_ranges_pay() is computed
+        *_, krange = function.evoflash_fwd(inp, 0.25, False)
+        assert (krange is not None) is computed
+    assert not function._Inputs(q, k, v, None, pair_bias).mask_ranges_pay()
 
 
 def test_packed_gradient_is_one_tensor(device):
@@ -436,7 +459,8 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_matches_fp64_reference(case, device):
+def test_gpu_matches_fp64_reference(case, device, monkeypatch):
+    _with_mask_ranges(case, monkeypatch)
     check_case(case, device, seed=zlib.crc32(str(case).encode()))
 
 

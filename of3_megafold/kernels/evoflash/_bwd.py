@@ -99,7 +99,7 @@ def _evoflash_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_block(
-    dk, dv, k, v, key_mask, masked, bias_t, needs_r,
+    dk, dv, k, v, key_mask, bias_t, needs_r,
     Q_row, DO_row, LSE_row, R_row, DELTA_row, offs_m, offs_d, N, D,
     stride_qn, stride_don, sm_scale,
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
@@ -107,8 +107,7 @@ def _dkdv_query_block(
 ):
     """dK/dV of one key block and one S slice, from the query block ``offs_m``.
     Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
-    dots without a layout change; the bias comes pre-transposed; ``masked``: the
-    key block needs its column mask (``_tiles._key_block_masked``). ``r`` enters dS
+    dots without a layout change; the bias comes pre-transposed. ``r`` enters dS
     through an FMA; it reaches dV (a per-query factor inside the sum) only in the
     S slices that hold a fully masked query, ``needs_r``, so elsewhere dO goes to
     the tensor cores as loaded."""
@@ -123,9 +122,8 @@ def _dkdv_query_block(
     s_t = _dot(k, tl.trans(q), None, PRECISION) * sm_scale
     if HAS_BIAS:
         s_t += bias_t
-    if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if masked:
-            s_t += key_mask[:, None]
+    if COL_MASK:
+        s_t += key_mask[:, None]
     p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION)
     ds_t = p_t * (dp_t * r[None, :] - delta[None, :])
@@ -138,14 +136,14 @@ def _dkdv_query_block(
 
 @triton.jit
 def _evoflash_bwd_dkdv_kernel(
-    Q, K, V, DO, MASK, BIAS_T, LSE, RSCALE, RFLAG, DELTA, DK, DV, KRANGE,
+    Q, K, V, DO, MASK, BIAS_T, LSE, RSCALE, RFLAG, DELTA, DK, DV,
     sm_scale,
     stride_qb, stride_qs, stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kn, stride_kh,
     stride_vb, stride_vs, stride_vn, stride_vh,
     stride_dob, stride_dos, stride_don, stride_doh,
     stride_gb, stride_gs, stride_gn, stride_gh,
-    stride_mb, stride_ms, stride_mn, stride_rb, stride_rs,
+    stride_mb, stride_ms, stride_mn,
     stride_bb, stride_bs, stride_bh, stride_bi,
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
@@ -174,8 +172,6 @@ def _evoflash_bwd_dkdv_kernel(
                     offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     mask0 = _load_key_mask(MASK, b, s0, offs_n, N, stride_mb, stride_ms, stride_mn,
                            HAS_MASK, EVEN_N)
-    lo, hi = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, HAS_MASK)
-    masked0 = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
     Q0 = _row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh)
     DO0 = _row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh)
     needs_r0 = tl.load(RFLAG + b * S + s0) != 0
@@ -191,8 +187,6 @@ def _evoflash_bwd_dkdv_kernel(
                         PRECISION > 0)
         mask1 = _load_key_mask(MASK, b, s1, offs_n, N, stride_mb, stride_ms,
                                stride_mn, HAS_MASK, EVEN_N)
-        lo, hi = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, HAS_MASK)
-        masked1 = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
         Q1 = _row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh)
         DO1 = _row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh)
         needs_r1 = tl.load(RFLAG + b * S + s1) != 0
@@ -207,7 +201,7 @@ def _evoflash_bwd_dkdv_kernel(
         else:
             bias_t = 0.0
         dk0, dv0 = _dkdv_query_block(
-            dk0, dv0, k0, v0, mask0, masked0, bias_t, needs_r0, Q0, DO0,
+            dk0, dv0, k0, v0, mask0, bias_t, needs_r0, Q0, DO0,
             _stat_ptr(LSE, b, s0, h, S, H, N), _stat_ptr(RSCALE, b, s0, h, S, H, N),
             _stat_ptr(DELTA, b, s0, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
             stride_don, sm_scale, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
@@ -217,7 +211,7 @@ def _evoflash_bwd_dkdv_kernel(
                 bias_t = _load_bias(BIAS_T, b, s1, h, offs_n, offs_m, N, stride_bb,
                                     stride_bs, stride_bh, stride_bi, EVEN_N)
             dk1, dv1 = _dkdv_query_block(
-                dk1, dv1, k1, v1, mask1, masked1, bias_t, needs_r1, Q1, DO1,
+                dk1, dv1, k1, v1, mask1, bias_t, needs_r1, Q1, DO1,
                 _stat_ptr(LSE, b, s1, h, S, H, N),
                 _stat_ptr(RSCALE, b, s1, h, S, H, N),
                 _stat_ptr(DELTA, b, s1, h, S, H, N), offs_m, offs_d, N, D, stride_qn,
@@ -303,7 +297,7 @@ def _evoflash_bwd_dq_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_RANGES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, STORE_DS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
@@ -335,7 +329,8 @@ def _evoflash_bwd_dq_kernel(
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
     DB0 = _row_ptr(DBIAS, b, s0, h, stride_dbb, stride_dbs, stride_dbh)
-    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, HAS_MASK)
+    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, N, HAS_MASK,
+                                MASK_RANGES)
     dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
@@ -354,7 +349,8 @@ def _evoflash_bwd_dq_kernel(
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
         DB1 = _row_ptr(DBIAS, b, s1, h, stride_dbb, stride_dbs, stride_dbh)
-        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, HAS_MASK)
+        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, N,
+                                    HAS_MASK, MASK_RANGES)
         dq1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     for start_n in range(0, N, BLOCK_N):
@@ -412,8 +408,8 @@ def _evoflash_bwd_dbias_kernel(
     stride_dbp, stride_dbb, stride_dbh, stride_dbi,
     B, S, N, H, D, S_CHUNK,
     N_BUCKET, S_BUCKET,  # autotuning key only
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    FUSE_DQ: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_RANGES: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, FUSE_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -443,12 +439,13 @@ def _evoflash_bwd_dbias_kernel(
     s_hi = tl.minimum(S, s_lo + S_CHUNK)
     # each slice's mask range is loaded a slice ahead: its latency hides behind the
     # previous slice's work instead of stalling the branch on it
-    lo, hi = _load_mask_range(KRANGE, b, s_lo + zero, stride_rb, stride_rs, HAS_MASK)
+    lo, hi = _load_mask_range(KRANGE, b, s_lo + zero, stride_rb, stride_rs, N,
+                              HAS_MASK, MASK_RANGES)
     for s_idx in range(s_lo, s_hi):
         s = s_idx + zero  # a tensor under the interpreter too (int64 offsets)
         masked = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
         lo, hi = _load_mask_range(KRANGE, b, tl.minimum(s + 1, S - 1), stride_rb,
-                                  stride_rs, HAS_MASK)
+                                  stride_rs, N, HAS_MASK, MASK_RANGES)
         q = _load_tile(_row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh), offs_m,
                        offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
         do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh),

@@ -128,7 +128,8 @@ def _evoflash_fwd_kernel(
     S, N, H, D,
     N_BUCKET, S_BUCKET,  # autotuning key only
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_PER_S: tl.constexpr,
-    GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_RANGES: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_GROUP: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, COL_MASK: tl.constexpr,
 ):
@@ -153,7 +154,8 @@ def _evoflash_fwd_kernel(
                     offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
-    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, HAS_MASK)
+    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, N, HAS_MASK,
+                                MASK_RANGES)
     acc0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -165,7 +167,8 @@ def _evoflash_fwd_kernel(
                         PRECISION > 0)
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
-        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, HAS_MASK)
+        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, N,
+                                    HAS_MASK, MASK_RANGES)
         acc1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l1 = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -139,14 +139,20 @@ def _load_key_mask(
 
 
 @triton.jit
-def _load_mask_range(KRANGE, b, s, stride_rb, stride_rs, HAS_MASK: tl.constexpr):
+def _load_mask_range(KRANGE, b, s, stride_rb, stride_rs, N, HAS_MASK: tl.constexpr,
+                     MASK_RANGES: tl.constexpr):
     """``(lo, hi)``: keys ``[lo, hi)`` hold every nonzero value of slice ``(b, s)``'s
-    key mask (``(0, 0)`` when it has none, or without a mask). ``KRANGE`` is the
-    int32 ``[B, S, 2]`` that ``_evoflash_mask_range_kernel`` writes."""
+    key mask: read from ``KRANGE``, the int32 ``[B, S, 2]`` that
+    ``_evoflash_mask_range_kernel`` writes, with ``MASK_RANGES``; else ``(0, N)``
+    with a mask (every key block gets it), ``(0, 0)`` without."""
     if HAS_MASK:
-        ptr = KRANGE + b.to(tl.int64) * stride_rb + s.to(tl.int64) * stride_rs
-        lo = tl.load(ptr)
-        hi = tl.load(ptr + 1)
+        if MASK_RANGES:
+            ptr = KRANGE + b.to(tl.int64) * stride_rb + s.to(tl.int64) * stride_rs
+            lo = tl.load(ptr)
+            hi = tl.load(ptr + 1)
+        else:
+            lo = 0
+            hi = N
     else:
         lo = 0
         hi = 0
