@@ -52,7 +52,8 @@ INT_POINTERS = {"RFLAG", "KRANGE"}
 FLAGS = {  # constexpr flags of a triangle-attention call (OF3's training path)
     "HAS_MASK": True, "HAS_BIAS": True, "BIAS_PER_S": False, "GATED": False,
     "PRECISION": 0, "COMPUTE_DQ": True, "STORE_DS": False, "FUSE_DQ": False,
-    "EVEN_N": True, "COL_MASK": True, "MASK_RANGES": True,
+    "EVEN_N": True, "COL_MASK": True,
+    "MASK_RANGES": os.environ.get("OFFLINE_SASS_MASK_RANGES", "1") == "1",
 }
 SHAPE = (1, 1024, 1024, 4, 32)  # triangle attention at N = 1024: B, S, N, H, D
 SASS_LINE = re.compile(

@@ -362,8 +362,8 @@ def _evoflash_bwd_dq_kernel(
             bias = 0.0
         dq0 = _dq_key_block(
             dq0, q0, do0, lse0, r0, delta0, bias,
-            _key_block_masked(start_n, lo0, hi0, N, BLOCK_N), K0, V0, MASK, DB0,
-            b, s0,
+            _key_block_masked(start_n, lo0, hi0, N, BLOCK_N, MASK_RANGES),
+            K0, V0, MASK, DB0, b, s0,
             offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb, stride_ms,
             stride_mn, stride_dbi, sm_scale, N, HAS_MASK, HAS_BIAS,
             COL_MASK, EVEN_N, PAD_D, PRECISION, COMPUTE_DQ, STORE_DS)
@@ -374,8 +374,8 @@ def _evoflash_bwd_dq_kernel(
                                             stride_bi, EVEN_N)
             dq1 = _dq_key_block(
                 dq1, q1, do1, lse1, r1, delta1, bias,
-                _key_block_masked(start_n, lo1, hi1, N, BLOCK_N), K1, V1, MASK, DB1,
-                b, s1,
+                _key_block_masked(start_n, lo1, hi1, N, BLOCK_N, MASK_RANGES),
+                K1, V1, MASK, DB1, b, s1,
                 offs_m, offs_n, offs_d, N, D, stride_kn, stride_vn, stride_mb,
                 stride_ms, stride_mn, stride_dbi, sm_scale,
                 tl.where(s0 + 1 < S, N, 0),
@@ -443,7 +443,8 @@ def _evoflash_bwd_dbias_kernel(
                               HAS_MASK, MASK_RANGES)
     for s_idx in range(s_lo, s_hi):
         s = s_idx + zero  # a tensor under the interpreter too (int64 offsets)
-        masked = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N)
+        masked = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N,
+                                   MASK_RANGES)
         lo, hi = _load_mask_range(KRANGE, b, tl.minimum(s + 1, S - 1), stride_rb,
                                   stride_rs, N, HAS_MASK, MASK_RANGES)
         q = _load_tile(_row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh), offs_m,

@@ -181,7 +181,8 @@ def _evoflash_fwd_kernel(
         else:
             bias = 0.0
         acc0, m0, l0 = _fwd_key_block(
-            acc0, m0, l0, q0, bias, _key_block_masked(start_n, lo0, hi0, N, BLOCK_N),
+            acc0, m0, l0, q0, bias,
+            _key_block_masked(start_n, lo0, hi0, N, BLOCK_N, MASK_RANGES),
             K0, V0, MASK, b, s0, offs_n, offs_d, N, D,
             stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
             HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION)
@@ -192,7 +193,7 @@ def _evoflash_fwd_kernel(
                                             stride_bi, EVEN_N)
             acc1, m1, l1 = _fwd_key_block(
                 acc1, m1, l1, q1, bias,
-                _key_block_masked(start_n, lo1, hi1, N, BLOCK_N),
+                _key_block_masked(start_n, lo1, hi1, N, BLOCK_N, MASK_RANGES),
                 K1, V1, MASK, b, s1, offs_n, offs_d, N, D,
                 stride_kn, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
                 HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D, PRECISION)

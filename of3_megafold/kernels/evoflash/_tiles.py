@@ -160,14 +160,21 @@ def _load_mask_range(KRANGE, b, s, stride_rb, stride_rs, N, HAS_MASK: tl.constex
 
 
 @triton.jit
-def _key_block_masked(start_n, lo, hi, N, BLOCK_N: tl.constexpr):
+def _key_block_masked(start_n, lo, hi, N, BLOCK_N: tl.constexpr,
+                      MASK_RANGES: tl.constexpr):
     """Whether the keys ``[start_n, start_n + BLOCK_N)`` need the column mask: the
     block runs past N, or it overlaps the slice's nonzero mask range ``[lo, hi)``.
     Elsewhere the key mask is all zeros and its load and add are skipped (a block-
     uniform branch): per logit they were about two of the kernels' 11-18
-    instructions (docs/benchmarks.md, session 18)."""
-    end = start_n + BLOCK_N
-    return (end > N) | ((start_n < hi) & (end > lo))
+    instructions (docs/benchmarks.md, session 18). Without ``MASK_RANGES`` a
+    constant True, so no branch is compiled (an always-taken one cost the forward
+    and dQ kernels about 10% at triangle N=384, session 18)."""
+    if MASK_RANGES:
+        end = start_n + BLOCK_N
+        masked = (end > N) | ((start_n < hi) & (end > lo))
+    else:
+        masked = True
+    return masked
 
 
 @triton.jit
