@@ -34,11 +34,12 @@ _HEURISTICS = {
 _KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "PRECISION"]
 # Logits (B S H N^2) from which a masked call computes its key mask's ranges
 # (_Inputs.mask_range), so that the forward, dQ and bias-gradient kernels skip the
-# mask in the key blocks it leaves zero. Below, the call is bound by the host, where
-# that launch costs more than it saves: on the H200 (session 18) the skip took the
-# kernels of triangle N=1024 from 14.26 to 13.66 ms, but at N=384 (2.3e8 logits)
-# 0.89 -> 0.84 ms of kernels came with about 0.1 ms more host time per call. Triangle
-# attention from N=512 and the diffusion transformer's S=48 N=768 are above it.
+# mask in the key blocks it leaves zero. Below, the call is bound by the host, and
+# one more launch there buys little: on the H200 (session 18) the skip took the
+# kernels of triangle N=1024 from 14.24 to 13.50 ms, but those of N=384 (2.3e8
+# logits) only from 0.89 to 0.84 ms, while that call's wall time is about 1.2 ms of
+# host work. Triangle attention from N=512 and the diffusion transformer's S=48
+# N=768 are above it.
 MASK_RANGE_MIN_LOGITS = 2**28
 
 
