@@ -129,8 +129,10 @@ for spec in "$@"; do
         # hardware counters of the kit's kernels, one ncu process per case
         # (scripts/gpu_ncu.py; $extra: case names, default all)
         # shellcheck disable=SC2086
-        ncu) for case in ${extra:-$(python3 scripts/gpu_ncu.py --list)}; do
-                 run "ncu-$case" "${limit:-240}" "$(ncu_binary)" --profile-from-start off \
+        ncu) ncu_bin=$(ncu_binary)
+             [ -n "$ncu_bin" ] || { echo "=== $name: Nsight Compute (ncu) not found"; continue; }
+             for case in ${extra:-$(python3 scripts/gpu_ncu.py --list)}; do
+                 run "ncu-$case" "${limit:-240}" "$ncu_bin" --profile-from-start off \
                      --clock-control none --section SpeedOfLight \
                      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
                      --section LaunchStats --section Occupancy --section SchedulerStats \
