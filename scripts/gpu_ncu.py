@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_profile_kernels import _transition_case  # noqa: E402 (the kernel profile's)
+
 TRIANGLE = (1, 1024, 1024, 4, 32)
 DIFFUSION = (1, 48, 768, 16, 48)
 
@@ -47,37 +49,13 @@ def _attention(shape, mask: bool = True, bias_dtype=torch.bfloat16,
     return _step(forward, q, k, v, mask_bias, pair_bias, do)
 
 
-def _transition(n: int):
-    from of3_megafold.kernels.swiglu_transition import swiglu_transition
-
-    c, hid = 128, 512
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
-
-    x = randn(1, n, n, c).requires_grad_()
-    params = [randn(c).requires_grad_(), randn(c).requires_grad_()] + [
-        (randn(*shape) * c**-0.5).requires_grad_()
-        for shape in ((hid, c), (hid, c), (c, hid))
-    ]
-    dy = randn(1, n, n, c)
-
-    def step():
-        swiglu_transition(x, *params).backward(dy)
-        for t in (x, *params):
-            t.grad = None
-
-    return step
-
-
 CASES = {
     "tri1024": lambda: _attention(TRIANGLE),
     "tri1024-nomask": lambda: _attention(TRIANGLE, mask=False),
     "tri1024-f32bias": lambda: _attention(TRIANGLE, bias_dtype=torch.float32),
     "tri1024-atomic": lambda: _attention(TRIANGLE, deterministic=False),
     "dif768": lambda: _attention(DIFFUSION),
-    "transition768": lambda: _transition(768),
+    "transition768": lambda: _transition_case(768),
 }
 
 

@@ -329,8 +329,7 @@ def _evoflash_bwd_dq_kernel(
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
     DB0 = _row_ptr(DBIAS, b, s0, h, stride_dbb, stride_dbs, stride_dbh)
-    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, N, HAS_MASK,
-                                MASK_RANGES)
+    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, MASK_RANGES)
     dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
@@ -349,8 +348,7 @@ def _evoflash_bwd_dq_kernel(
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
         DB1 = _row_ptr(DBIAS, b, s1, h, stride_dbb, stride_dbs, stride_dbh)
-        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, N,
-                                    HAS_MASK, MASK_RANGES)
+        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, MASK_RANGES)
         dq1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     for start_n in range(0, N, BLOCK_N):
@@ -439,14 +437,13 @@ def _evoflash_bwd_dbias_kernel(
     s_hi = tl.minimum(S, s_lo + S_CHUNK)
     # each slice's mask range is loaded a slice ahead: its latency hides behind the
     # previous slice's work instead of stalling the branch on it
-    lo, hi = _load_mask_range(KRANGE, b, s_lo + zero, stride_rb, stride_rs, N,
-                              HAS_MASK, MASK_RANGES)
+    lo, hi = _load_mask_range(KRANGE, b, s_lo + zero, stride_rb, stride_rs, MASK_RANGES)
     for s_idx in range(s_lo, s_hi):
         s = s_idx + zero  # a tensor under the interpreter too (int64 offsets)
         masked = _key_block_masked(n_blk * BLOCK_N, lo, hi, N, BLOCK_N,
                                    MASK_RANGES)
-        lo, hi = _load_mask_range(KRANGE, b, tl.minimum(s + 1, S - 1), stride_rb,
-                                  stride_rs, N, HAS_MASK, MASK_RANGES)
+        lo, hi = _load_mask_range(KRANGE, b, tl.minimum(s + 1, S - 1),
+                                  stride_rb, stride_rs, MASK_RANGES)
         q = _load_tile(_row_ptr(Q, b, s, h, stride_qb, stride_qs, stride_qh), offs_m,
                        offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
         do = _load_tile(_row_ptr(DO, b, s, h, stride_dob, stride_dos, stride_doh),

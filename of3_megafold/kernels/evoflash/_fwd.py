@@ -154,8 +154,7 @@ def _evoflash_fwd_kernel(
                     offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
-    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, N, HAS_MASK,
-                                MASK_RANGES)
+    lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, MASK_RANGES)
     acc0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -167,8 +166,7 @@ def _evoflash_fwd_kernel(
                         PRECISION > 0)
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
-        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, N,
-                                    HAS_MASK, MASK_RANGES)
+        lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, MASK_RANGES)
         acc1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m1 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l1 = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -139,20 +139,15 @@ def _load_key_mask(
 
 
 @triton.jit
-def _load_mask_range(KRANGE, b, s, stride_rb, stride_rs, N, HAS_MASK: tl.constexpr,
-                     MASK_RANGES: tl.constexpr):
+def _load_mask_range(KRANGE, b, s, stride_rb, stride_rs, MASK_RANGES: tl.constexpr):
     """``(lo, hi)``: keys ``[lo, hi)`` hold every nonzero value of slice ``(b, s)``'s
-    key mask: read from ``KRANGE``, the int32 ``[B, S, 2]`` that
-    ``_evoflash_mask_range_kernel`` writes, with ``MASK_RANGES``; else ``(0, N)``
-    with a mask (every key block gets it), ``(0, 0)`` without."""
-    if HAS_MASK:
-        if MASK_RANGES:
-            ptr = KRANGE + b.to(tl.int64) * stride_rb + s.to(tl.int64) * stride_rs
-            lo = tl.load(ptr)
-            hi = tl.load(ptr + 1)
-        else:
-            lo = 0
-            hi = N
+    key mask, read from ``KRANGE``, the int32 ``[B, S, 2]`` that
+    ``_evoflash_mask_range_kernel`` writes. Without ``MASK_RANGES`` (no mask, or
+    no ranges computed) nothing is read: ``_key_block_masked`` ignores them then."""
+    if MASK_RANGES:
+        ptr = KRANGE + b.to(tl.int64) * stride_rb + s.to(tl.int64) * stride_rs
+        lo = tl.load(ptr)
+        hi = tl.load(ptr + 1)
     else:
         lo = 0
         hi = 0

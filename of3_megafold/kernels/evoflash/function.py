@@ -192,13 +192,11 @@ class _Inputs:
             BLOCK_D=configs.d_block(self.D),
         )
 
-    def mask_range(self) -> torch.Tensor | None:
+    def mask_range(self) -> torch.Tensor:
         """int32 ``[BM, SM, 2]`` over the key mask's own (unbroadcast) B and S: per
         slice, the keys ``[lo, hi)`` that hold its nonzero values (one launch of
-        ``_evoflash_mask_range_kernel``); None without a mask. The kernels add the
-        mask only to the key blocks that overlap that range."""
-        if self.mask is None:
-            return None
+        ``_evoflash_mask_range_kernel``; needs a mask). The kernels add the mask
+        only to the key blocks that overlap that range."""
         m = self.mask[:, :, 0, 0, :].expand(-1, -1, self.N)
         bm, sm = m.shape[:2]
         out = torch.empty((bm, sm, 2), dtype=torch.int32, device=m.device)
