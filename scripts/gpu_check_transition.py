@@ -32,7 +32,7 @@ from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
     function as transition_function,
 )
 from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
-    interleave_ab,
+    stack_ab,
     swiglu_transition,
     swiglu_transition_bwd,
     swiglu_transition_fwd,
@@ -145,7 +145,7 @@ def timing(n_res: int) -> None:
     m = n_res * n_res
     x, params, mask, dy = make(m, c, n, torch.bfloat16, seed=1)
     dy = dy.bfloat16()
-    w16 = [interleave_ab(*params[2:4], torch.bfloat16), params[4].bfloat16()]
+    w16 = [stack_ab(*params[2:4], torch.bfloat16), params[4].bfloat16()]
     gemm = 2 * m * c * h  # flops of one [M, c] x [c, H] GEMM
 
     y, mean, rstd = swiglu_transition_fwd(x, *params[:2], *w16, mask, 1e-5)

@@ -5,7 +5,7 @@
 from of3_megafold.kernels.swiglu_transition.function import (
     SwiGLUTransitionFunction,
     compute_dtype,
-    interleave_ab,
+    stack_ab,
     swiglu_mlp,
     swiglu_transition,
     swiglu_transition_bwd,
@@ -18,7 +18,7 @@ from of3_megafold.kernels.swiglu_transition.reference import (
 __all__ = [
     "SwiGLUTransitionFunction",
     "compute_dtype",
-    "interleave_ab",
+    "stack_ab",
     "swiglu_mlp",
     "swiglu_transition",
     "swiglu_transition_bwd",

@@ -2,12 +2,12 @@
 
 Nothing of the ``[rows, n*c]`` hidden activations was kept by the forward pass; both
 kernels recompute ``xn = LN(x)`` from ``x`` and the saved per-row mean / rstd, and
-``[a | b] = xn w_ab^T``, ``dh = dy w_out`` chunk by chunk, with
+``a = xn w_a^T``, ``b = xn w_b^T``, ``dh = dy w_out`` chunk by chunk, with
 (``s = sigmoid(a)``)::
 
     h  = a s b
     db = dh a s
-    da = dh b s (1 + a (1 - s))
+    da = dh b s (1 + a (1 - s)) = dh b (s + a s (1 - s))
 
 The input gradient wants a sum over the hidden dimension for each row; the weight
 gradients want a sum over all rows for each hidden unit. One schedule cannot hold
@@ -20,8 +20,9 @@ splits dQ from dK/dV:
 * ``_swiglu_transition_bwd_input_kernel``: a program per ``BLOCK_M`` rows loops over
   hidden chunks, accumulates ``dxn = [da | db] w_ab`` in fp32 registers, then does
   the LayerNorm backward in place and writes ``dx`` plus per-program partial sums
-  for the LayerNorm scale/offset gradients. Three matmuls per chunk
-  (``xn w_ab^T``, ``dy w_out``, ``[da | db] w_ab``), 5 GEMM-equivalents of work.
+  for the LayerNorm scale/offset gradients. Three products per chunk
+  (``xn [w_a | w_b]^T``, ``dy w_out``, ``da w_a + db w_b``), 5 GEMM-equivalents of
+  work.
   With ``STORE_HIDDEN`` it also writes ``xn``, the masked ``dy``, ``[da | db]`` and
   ``h`` of its rows, which the launcher's cuBLAS GEMMs reduce over a chunk of rows
   into the weight gradients (the "gemm" path of ``function.py``: 3 more
@@ -40,11 +41,9 @@ import triton.language as tl
 
 from of3_megafold.kernels._rounding import round_to
 from of3_megafold.kernels.swiglu_transition._fwd import (
-    _join_ab,
     _mm,
     _out_weight_tile_cn,
     _sigmoid,
-    _split_ab,
     _weight_tile_kn,
     even_weights,
     tuning_space,
@@ -123,7 +122,7 @@ def _swiglu_transition_bwd_input_kernel(
     DLN_B_PART,
     XN_OUT,  # [M, C] contiguous, compute dtype: xn, written when STORE_HIDDEN
     DYM_OUT,  # [M, C] contiguous: dy * mask, written when STORE_HIDDEN
-    DAB_OUT,  # [M, 2H] contiguous: [da | db] interleaved like w_ab, STORE_HIDDEN
+    DAB_OUT,  # [M, 2H] contiguous: [da | db] (columns as w_ab's rows), STORE_HIDDEN
     H_OUT,  # [M, H] contiguous: silu(a) * b, written when STORE_HIDDEN
     M, C, H, stride_x, stride_dy, stride_dx,
     NORMALIZE: tl.constexpr,
@@ -163,31 +162,28 @@ def _swiglu_transition_bwd_input_kernel(
     for k in range(0, H, BLOCK_H):
         hid = k + tl.arange(0, BLOCK_H)
         h_ok = hid < H
-        hid2 = 2 * k + tl.arange(0, 2 * BLOCK_H)
-        w_ab = _weight_tile_kn(W_AB, hid2, cols, hid2 < 2 * H, col_ok, C, EVEN_WEIGHTS)
+        w_a = _weight_tile_kn(W_AB, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+        w_b = _weight_tile_kn(W_AB + H * C, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
-        ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
         dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
-        a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
         sig = _sigmoid(a, FAST_SIGMOID)
-        db = dh * a * sig
-        da = dh * b * sig * (1.0 + a * (1.0 - sig))
-        dab = round_to(_join_ab(da, db, BLOCK_M, BLOCK_H), xn.dtype)
+        silu = a * sig
+        db = round_to(dh * silu, xn.dtype)
+        # d silu(a) / da = sig (1 + a (1 - sig)) = sig + silu (1 - sig): one FMA
+        da = round_to((dh * b) * (sig + silu * (1.0 - sig)), xn.dtype)
         if STORE_HIDDEN:
             # What the weight-gradient GEMMs of the launcher read (see function.py)
-            h = round_to(a * sig * b, xn.dtype)
-            tl.store(
-                H_OUT + rows64[:, None] * H + hid[None, :],
-                h,
-                mask=row_ok[:, None] & h_ok[None, :],
-            )
-            tl.store(
-                DAB_OUT + rows64[:, None] * (2 * H) + hid2[None, :],
-                dab,
-                mask=row_ok[:, None] & (hid2 < 2 * H)[None, :],
-            )
+            h_mask = row_ok[:, None] & h_ok[None, :]
+            h = round_to(silu * b, xn.dtype)
+            tl.store(H_OUT + rows64[:, None] * H + hid[None, :], h, mask=h_mask)
+            dab_ptrs = DAB_OUT + rows64[:, None] * (2 * H) + hid[None, :]
+            tl.store(dab_ptrs, da, mask=h_mask)
+            tl.store(dab_ptrs + H, db, mask=h_mask)
         if NEED_DXN:
-            dxn = _mm(dab, tl.trans(w_ab), dxn, INPUT_PRECISION, INTERPRETER)
+            dxn = _mm(da, tl.trans(w_a), dxn, INPUT_PRECISION, INTERPRETER)
+            dxn = _mm(db, tl.trans(w_b), dxn, INPUT_PRECISION, INTERPRETER)
 
     if NORMALIZE:
         # Reloaded rather than kept: the fp32 rows would hold 64 registers per
@@ -215,7 +211,7 @@ def _swiglu_transition_bwd_input_kernel(
         )
 
 
-# The [C, 3 BLOCK_H] fp32 accumulators live in registers for the whole program, so
+# The three [C, BLOCK_H] fp32 accumulators live in registers for the whole program, so
 # the hidden chunks are narrower than in the other two kernels. The first three
 # compile for sm_90 without register spills at c = 128, all of them at c = 64.
 BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE = tuning_space(
@@ -237,7 +233,7 @@ BWD_WEIGHT_CONFIGS, BWD_WEIGHT_PRUNE = tuning_space(
 @triton.jit
 def _swiglu_transition_bwd_weight_kernel(
     X, LN_W, LN_B, W_AB, W_OUT, MASK, DY, MEAN, RSTD,
-    DW_AB_PART,  # [splits, 2H, C] fp32 (rows interleaved), written when NEED_DW_AB
+    DW_AB_PART,  # [splits, 2H, C] fp32 (rows as w_ab), written when NEED_DW_AB
     DW_OUT_PART,  # [splits, C, H] fp32, written when NEED_DW_OUT
     M, C, H, stride_x, stride_dy,
     NORMALIZE: tl.constexpr,
@@ -260,15 +256,15 @@ def _swiglu_transition_bwd_weight_kernel(
     cols = tl.arange(0, BLOCK_C)
     h_ok = hid < H
     col_ok = cols < C
-    hid2 = 2 * pid_h * BLOCK_H + tl.arange(0, 2 * BLOCK_H)
-    h2_ok = hid2 < 2 * H
     # This program's chunk of the weights stays in shared memory.
-    w_ab = _weight_tile_kn(W_AB, hid2, cols, h2_ok, col_ok, C, EVEN_WEIGHTS)
+    w_a = _weight_tile_kn(W_AB, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+    w_b = _weight_tile_kn(W_AB + H * C, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
     w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
 
     # Accumulators transposed ([C, hidden]): every weight-gradient matmul then has
     # M = BLOCK_C, a full tensor-core tile, whatever BLOCK_H is.
-    dw_ab = tl.zeros((BLOCK_C, 2 * BLOCK_H), dtype=tl.float32)
+    dw_a = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
+    dw_b = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
     dw_out = tl.zeros((BLOCK_C, BLOCK_H), dtype=tl.float32)
     # Row blocks are dealt round-robin, so every split gets the same share.
     for block in range(split, tl.cdiv(M, BLOCK_M), n_splits):
@@ -281,8 +277,8 @@ def _swiglu_transition_bwd_weight_kernel(
         dy = _masked_grad_rows(
             DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype,
         )  # fmt: skip
-        ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
-        a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
         sig = _sigmoid(a, FAST_SIGMOID)
         silu = a * sig
         if NEED_DW_OUT:
@@ -291,15 +287,21 @@ def _swiglu_transition_bwd_weight_kernel(
         if NEED_DW_AB:
             # d(h)/d(a), formed before the next matmul so that only two fp32
             # tiles (silu, gate) stay live across it instead of four (a, b, sig, silu)
-            gate = b * sig * (1.0 + a * (1.0 - sig))
+            gate = b * (sig + silu * (1.0 - sig))
             dh = _mm(dy, w_out, None, INPUT_PRECISION, INTERPRETER)
-            dab = _join_ab(dh * gate, dh * silu, BLOCK_M, BLOCK_H)
-            dab = round_to(dab, xn.dtype)
-            dw_ab = _mm(tl.trans(xn), dab, dw_ab, INPUT_PRECISION, INTERPRETER)
+            xn_t = tl.trans(xn)
+            dw_a = _mm(
+                xn_t, round_to(dh * gate, xn.dtype), dw_a, INPUT_PRECISION, INTERPRETER
+            )
+            dw_b = _mm(
+                xn_t, round_to(dh * silu, xn.dtype), dw_b, INPUT_PRECISION, INTERPRETER
+            )
 
     if NEED_DW_AB:
-        part_ab = split * 2 * H * C + hid2[None, :] * C + cols[:, None]
-        tl.store(DW_AB_PART + part_ab, dw_ab, mask=col_ok[:, None] & h2_ok[None, :])
+        ab_mask = col_ok[:, None] & h_ok[None, :]
+        part_a = split * 2 * H * C + hid[None, :] * C + cols[:, None]
+        tl.store(DW_AB_PART + part_a, dw_a, mask=ab_mask)
+        tl.store(DW_AB_PART + part_a + H * C, dw_b, mask=ab_mask)
     if NEED_DW_OUT:
         part_out = split * C * H + cols[:, None] * H + hid[None, :]
         tl.store(DW_OUT_PART + part_out, dw_out, mask=col_ok[:, None] & h_ok[None, :])

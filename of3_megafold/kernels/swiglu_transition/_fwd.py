@@ -3,16 +3,20 @@
 One program owns ``BLOCK_M`` rows. It normalises them in fp32 registers, then walks
 the hidden dimension in chunks of ``BLOCK_H``::
 
-    [a | b] = xn @ w_ab[chunk].T ; h = silu(a) * b
+    a = xn @ w_a[chunk].T ; b = xn @ w_b[chunk].T ; h = silu(a) * b
     acc += h @ w_out[:, chunk].T
 
 so the ``[rows, n*c]`` hidden activations never reach global memory (the fused-MLP
 schedule of flash-attention's ``fused_dense``/"FusedMLP", written here for
-LayerNorm + SwiGLU). ``w_ab`` is ``w_a`` and ``w_b`` interleaved row by row
-(``w_ab[2j] = w_a[j]``, ``w_ab[2j + 1] = w_b[j]``): ``a`` and ``b`` come out of one
-matmul ``N = 2 BLOCK_H`` wide instead of two dependent ones, and a thread's
-accumulator fragment holds column pairs, so splitting them apart is a register
-shuffle. The weights are re-read from L2 by every program.
+LayerNorm + SwiGLU). ``w_ab`` is ``w_a`` stacked on ``w_b`` (``[2H, c]``, rows
+``[0, H)`` and ``[H, 2H)``). ``a`` and ``b`` come out of two independent dots with
+the same left operand, each in the tensor cores' accumulator layout, so ``h`` is
+formed element by element and feeds the next dot without a layout change. (Until
+session 19 the two weights were interleaved and one ``2 BLOCK_H`` wide product was
+split: warp shuffles and selects on every element, and as many again for the
+backward's re-join. The input-gradient kernel's main loop went from 690 to 507
+SASS instructions per iteration at 64 x 32 tiles; docs/benchmarks.md.) The weights
+are re-read from L2 by every program.
 """
 
 from __future__ import annotations
@@ -75,18 +79,6 @@ def _weight_tile_kn(W, hid, cols, h_ok, col_ok, C, EVEN: tl.constexpr):
     else:
         tile = tl.load(ptrs, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
     return tile
-
-
-@triton.jit
-def _split_ab(ab, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``[BLOCK_M, 2 BLOCK_H]`` interleaved columns -> ``(a, b)``."""
-    return tl.split(tl.reshape(ab, (BLOCK_M, BLOCK_H, 2)))
-
-
-@triton.jit
-def _join_ab(da, db, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``(da, db)`` -> ``[BLOCK_M, 2 BLOCK_H]`` interleaved like ``w_ab``'s rows."""
-    return tl.reshape(tl.join(da, db), (BLOCK_M, 2 * BLOCK_H))
 
 
 @triton.jit
@@ -159,7 +151,7 @@ def _swiglu_transition_fwd_kernel(
     X,  # [M, C] input, row stride stride_x
     LN_W,  # [C] LayerNorm scale (unused unless NORMALIZE)
     LN_B,  # [C] LayerNorm offset
-    W_AB,  # [2H, C] compute dtype, w_a and w_b interleaved by rows
+    W_AB,  # [2H, C] compute dtype: w_a (rows [0, H)) stacked on w_b
     W_OUT,  # [C, H]
     MASK,  # [M] row multiplier (unused unless HAS_MASK)
     Y,  # [M, C] output, row stride stride_y
@@ -208,10 +200,10 @@ def _swiglu_transition_fwd_kernel(
     for k in range(0, H, BLOCK_H):
         hid = k + tl.arange(0, BLOCK_H)
         h_ok = hid < H
-        hid2 = 2 * k + tl.arange(0, 2 * BLOCK_H)
-        w_ab = _weight_tile_kn(W_AB, hid2, cols, hid2 < 2 * H, col_ok, C, EVEN_WEIGHTS)
-        ab = _mm(xn, w_ab, None, INPUT_PRECISION, INTERPRETER)
-        a, b = _split_ab(ab, BLOCK_M, BLOCK_H)
+        w_a = _weight_tile_kn(W_AB, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+        w_b = _weight_tile_kn(W_AB + H * C, hid, cols, h_ok, col_ok, C, EVEN_WEIGHTS)
+        a = _mm(xn, w_a, None, INPUT_PRECISION, INTERPRETER)
+        b = _mm(xn, w_b, None, INPUT_PRECISION, INTERPRETER)
         h = round_to(a * _sigmoid(a, FAST_SIGMOID) * b, xn.dtype)
         w_out = _out_weight_tile_cn(W_OUT, hid, cols, h_ok, col_ok, H, EVEN_WEIGHTS)
         acc = _mm(h, tl.trans(w_out), acc, INPUT_PRECISION, INTERPRETER)

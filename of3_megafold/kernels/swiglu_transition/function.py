@@ -98,12 +98,10 @@ def _candidate_configs(configs, prune, w_ab: torch.Tensor) -> list[triton.Config
     return prune["early_config_prune"](configs, {"W_AB": w_ab})
 
 
-def interleave_ab(
-    w_a: torch.Tensor, w_b: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[2H, c]`` in ``dtype`` with ``w_a`` in the even rows, ``w_b`` in the odd
-    ones: the layout the kernels take the two SwiGLU projections in."""
-    return torch.stack((w_a, w_b), dim=1).reshape(-1, w_a.shape[1]).to(dtype)
+def stack_ab(w_a: torch.Tensor, w_b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[2H, c]`` in ``dtype``: ``w_a`` in rows ``[0, H)``, ``w_b`` in rows
+    ``[H, 2H)``, the layout the kernels take the two SwiGLU projections in."""
+    return torch.cat((w_a, w_b)).to(dtype).contiguous()
 
 
 def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> int:
@@ -165,7 +163,7 @@ def swiglu_transition_fwd(
     Args:
         x: ``[M, c]``, unit column stride, any float dtype.
         ln_weight, ln_bias: ``[c]`` or both ``None`` (no LayerNorm).
-        w_ab: ``[2H, c]`` from :func:`interleave_ab`, contiguous, in the compute
+        w_ab: ``[2H, c]`` from :func:`stack_ab`, contiguous, in the compute
             dtype; w_out: ``[c, H]`` contiguous, same dtype.
         mask: ``[M]`` contiguous or ``None``.
 
@@ -341,8 +339,8 @@ def swiglu_transition_bwd(
             )  # fmt: skip
         dw_ab, dw_out = dw_ab_part.sum(0), dw_out_part.sum(0)
 
-    if need_dw_ab:  # [2H, c] with w_a's rows even and w_b's odd (interleave_ab)
-        dw_a, dw_b = (g.contiguous() for g in dw_ab.view(h, 2, c).unbind(1))
+    if need_dw_ab:  # [2H, c]: w_a's rows, then w_b's (stack_ab)
+        dw_a, dw_b = (g.contiguous() for g in dw_ab.split(h))
     return dx, dln_w, dln_b, dw_a, dw_b, dw_out if need_dw_out else None
 
 
@@ -376,7 +374,7 @@ class SwiGLUTransitionFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         x2d = _rows(x)
         weights = (
-            interleave_ab(w_a, w_b, compute_dtype),
+            stack_ab(w_a, w_b, compute_dtype),
             w_out.to(compute_dtype).contiguous(),
         )
         mask1d = None
