@@ -147,6 +147,10 @@ for spec in "$@"; do
         # this checkout against an older one in one process (carry .host-ab-old: --prepare)
         # shellcheck disable=SC2086  # $extra: options for gpu_host_ab.py
         host-ab) run "$name" "${limit:-200}" python3 scripts/gpu_host_ab.py "$OUT/$name.txt" $extra ;;
+        # the pair transition's kernels against the older commit's (carry .host-ab-old)
+        # shellcheck disable=SC2086  # $extra: options for gpu_transition_ab.py
+        transition-ab) run "$name" "${limit:-200}" python3 scripts/gpu_transition_ab.py \
+            "$OUT/$name.txt" $extra ;;
         # DeepSpeed's evoformer op, built ahead of the benchmarks that time it
         ds-build) run ds-build "${limit:-560}" python3 -c "
 import time; t = time.time()
