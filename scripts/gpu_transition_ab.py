@@ -134,7 +134,7 @@ def main() -> None:
     modules = kits()
     say(
         f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
-        f"{triton.__version__}; old = {(ROOT / '.host-ab-old/COMMIT').read_text().strip()}"
+        f"{triton.__version__}; old = {(ROOT / '.host-ab-old/COMMIT').read_text()}"
     )
     for n_res in args.n:
         data = inputs(n_res)
@@ -152,8 +152,8 @@ def main() -> None:
                         )
                     )
         say(
-            f"\npair transition [1, {n_res}, {n_res}, {C}] bf16, n={N_MULT}: ms, median "
-            f"(range) of {ROUNDS} rounds"
+            f"\npair transition [1, {n_res}, {n_res}, {C}] bf16, n={N_MULT}: ms, "
+            f"median (range) of {ROUNDS} rounds"
         )
         say(f"  {'piece':24} {'old':>22} {'kit':>22} {'kit/old':>8}")
         for piece in calls["kit"]:
