@@ -14,9 +14,15 @@ rounds (``triton.testing.do_bench``, median per round) on:
 * the whole backward (the default weight-gradient path);
 * the module call, forward + backward, as ``bench transition`` times it.
 
-The table gives the median and range over the rounds. Then, per kit, the CUDA time
-of each kernel in one forward + backward (``torch.profiler``; the input-gradient
-kernel runs once per chunk of rows). Diagnostic only: no JSON rows.
+The table gives the median and range over the rounds. Then, per kit:
+
+* the host time to issue one module forward + backward while the GPU is held busy
+  (``torch.cuda._sleep`` queued first), median of 20: what the call costs the CPU,
+  with any hidden synchronisation showing up as the sleep's length;
+* the CUDA time of each kernel in one forward + backward (``torch.profiler``; the
+  input-gradient kernel runs once per chunk of rows).
+
+Diagnostic only: no JSON rows.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import collections
 import importlib
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -120,6 +127,19 @@ def kernel_times(call) -> dict[str, tuple[float, int]]:
     return {name: (t, n) for name, (t, n) in totals.items()}
 
 
+def issue_ms(call, calls: int = 20) -> float:
+    """Median host milliseconds to issue ``call()`` behind a ~100 ms GPU sleep."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # cycles: ~0.1 s at the H200's clock
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", help="also write the report here")
@@ -165,6 +185,9 @@ def main() -> None:
                 times["old", piece]
             )
             say(f"  {piece:24} {cells[0]:>22} {cells[1]:>22} {ratio:8.3f}")
+        for kit, by_piece in calls.items():
+            issue = issue_ms(by_piece["module fwd+bwd"])
+            say(f"  host time to issue one module fwd+bwd, {kit}: {issue:.3f} ms")
         for kit, by_piece in calls.items():
             say(f"  CUDA kernels of one module fwd+bwd, {kit}:")
             for name, (t, count) in sorted(

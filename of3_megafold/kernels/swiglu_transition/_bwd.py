@@ -118,12 +118,14 @@ BWD_INPUT_CONFIGS, BWD_INPUT_PRUNE = tuning_space(
 def _swiglu_transition_bwd_input_kernel(
     X, LN_W, LN_B, W_AB, W_OUT, MASK, DY, MEAN, RSTD,
     DX,  # [M, C] written when STORE_DX
-    DLN_W_PART,  # [>= programs, C] fp32, row pid written when LN_GRAD
+    DLN_W_PART,  # [>= P0 + programs, C] fp32, row P0 + pid written when LN_GRAD
     DLN_B_PART,
-    XN_OUT,  # [M, C] contiguous, compute dtype: xn, written when STORE_HIDDEN
-    DYM_OUT,  # [M, C] contiguous: dy * mask, written when STORE_HIDDEN
-    DAB_OUT,  # [M, 2H] contiguous: [da | db] (columns as w_ab's rows), STORE_HIDDEN
-    H_OUT,  # [M, H] contiguous: silu(a) * b, written when STORE_HIDDEN
+    # The hidden buffers hold the launch's rows [ROW0, M) from their row 0:
+    XN_OUT,  # [M - ROW0, C] contiguous, compute dtype: xn, written when STORE_HIDDEN
+    DYM_OUT,  # [M - ROW0, C] contiguous: dy * mask, written when STORE_HIDDEN
+    DAB_OUT,  # [M - ROW0, 2H] contiguous: [da | db] (columns as w_ab's rows)
+    H_OUT,  # [M - ROW0, H] contiguous: silu(a) * b, written when STORE_HIDDEN
+    ROW0, P0,  # first row of this launch; first partial-sum row of this launch
     M, C, H, stride_x, stride_dy, stride_dx,
     NORMALIZE: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -140,7 +142,8 @@ def _swiglu_transition_bwd_input_kernel(
     EVEN_WEIGHTS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    local = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = ROW0 + local
     cols = tl.arange(0, BLOCK_C)
     row_ok = rows < M
     col_ok = cols < C
@@ -153,10 +156,11 @@ def _swiglu_transition_bwd_input_kernel(
         DY, MASK, rows, cols, row_ok, col_ok, stride_dy, HAS_MASK, dtype
     )
     rows64 = rows.to(tl.int64)
+    local64 = local.to(tl.int64)
     if STORE_HIDDEN:
         io_mask = row_ok[:, None] & col_ok[None, :]
-        tl.store(XN_OUT + rows64[:, None] * C + cols[None, :], xn, mask=io_mask)
-        tl.store(DYM_OUT + rows64[:, None] * C + cols[None, :], dy, mask=io_mask)
+        tl.store(XN_OUT + local64[:, None] * C + cols[None, :], xn, mask=io_mask)
+        tl.store(DYM_OUT + local64[:, None] * C + cols[None, :], dy, mask=io_mask)
 
     dxn = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k in range(0, H, BLOCK_H):
@@ -177,8 +181,8 @@ def _swiglu_transition_bwd_input_kernel(
             # What the weight-gradient GEMMs of the launcher read (see function.py)
             h_mask = row_ok[:, None] & h_ok[None, :]
             h = round_to(silu * b, xn.dtype)
-            tl.store(H_OUT + rows64[:, None] * H + hid[None, :], h, mask=h_mask)
-            dab_ptrs = DAB_OUT + rows64[:, None] * (2 * H) + hid[None, :]
+            tl.store(H_OUT + local64[:, None] * H + hid[None, :], h, mask=h_mask)
+            dab_ptrs = DAB_OUT + local64[:, None] * (2 * H) + hid[None, :]
             tl.store(dab_ptrs, da, mask=h_mask)
             tl.store(dab_ptrs + H, db, mask=h_mask)
         if NEED_DXN:
@@ -193,8 +197,9 @@ def _swiglu_transition_bwd_input_kernel(
             NORMALIZE, dtype,
         )  # fmt: skip
         if LN_GRAD:
-            tl.store(DLN_W_PART + pid * C + cols, tl.sum(dxn * xhat, axis=0), col_ok)
-            tl.store(DLN_B_PART + pid * C + cols, tl.sum(dxn, axis=0), col_ok)
+            part = (P0 + pid) * C + cols
+            tl.store(DLN_W_PART + part, tl.sum(dxn * xhat, axis=0), col_ok)
+            tl.store(DLN_B_PART + part, tl.sum(dxn, axis=0), col_ok)
         if STORE_DX:
             ln_w = tl.load(LN_W + cols, mask=col_ok, other=0.0).to(tl.float32)
             g = dxn * ln_w[None, :]

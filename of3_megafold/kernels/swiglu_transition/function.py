@@ -203,24 +203,21 @@ def _bwd_input_rows(
 ) -> None:  # fmt: skip
     """Launch the input kernel on rows ``[r0, r0 + rows)``: their ``dx`` and LayerNorm
     partial sums, and with ``store_hidden`` their ``xn, dy * mask, [da | db], h``
-    into the first ``rows`` rows of the ``hidden`` buffers. The per-row tensors
-    (``x, mask, dy, mean, rstd, dx``; ``x`` standing in for an unused one) are
-    sliced to those rows. ``r0`` is a multiple of every candidate ``BLOCK_M``, so the
-    partial-sum rows of the chunk start at ``r0 // min_block_m``."""
+    into the first ``rows`` rows of the ``hidden`` buffers (``x`` stands in for an
+    unused per-row tensor). The kernel offsets the per-row tensors itself, so a
+    chunk costs no slicing on the host. ``r0`` is a multiple of every candidate
+    ``BLOCK_M``, so the partial-sum rows of the chunk start at ``r0 // min_block_m``."""
     if rows == 0:
         return
-    span = slice(r0, r0 + rows)
     p0 = r0 // min_block_m if need_dln else 0
-    p1 = p0 + triton.cdiv(rows, min_block_m) if need_dln else 1
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]),)
 
     _bwd_input_kernel[grid](
-        x[span], ln_w, ln_b, w_ab, w_out, mask[span], dy[span], mean[span],
-        rstd[span], dx[span], dln_w_part[p0:p1], dln_b_part[p0:p1], *hidden,
-        rows, x.shape[1], w_out.shape[1], x.stride(0), dy.stride(0),
-        dx.stride(0) if need_dx else 0,
+        x, ln_w, ln_b, w_ab, w_out, mask, dy, mean, rstd, dx, dln_w_part,
+        dln_b_part, *hidden, r0, p0, r0 + rows, x.shape[1], w_out.shape[1],
+        x.stride(0), dy.stride(0), dx.stride(0) if need_dx else 0,
         STORE_DX=need_dx, LN_GRAD=need_dln, NEED_DXN=need_dx or need_dln,
         STORE_HIDDEN=store_hidden, **common,
     )  # fmt: skip
@@ -295,6 +292,7 @@ def swiglu_transition_bwd(
         else:
             chunk = max(m, 1)
             hidden = [x] * 4  # unused pointers
+        views_rows, views = 0, None
         for r0 in range(0, m, chunk):
             rows = min(chunk, m - r0)
             _bwd_input_rows(
@@ -303,11 +301,14 @@ def swiglu_transition_bwd(
                 need_dx, need_dln, by_gemm, common,
             )  # fmt: skip
             if by_gemm:
-                xn, dym, dab, hid = (t[:rows] for t in hidden)
+                if rows != views_rows:  # the GEMMs' operands: one set per chunk size
+                    xn, dym, dab, hid = (t[:rows] for t in hidden)
+                    views_rows, views = rows, (dab.t(), xn, dym.t(), hid)
+                dab_t, xn, dym_t, hid = views
                 if need_dw_ab:
-                    _add_matmul(dw_ab_acc, dab.t(), xn)
+                    _add_matmul(dw_ab_acc, dab_t, xn)
                 if need_dw_out:
-                    _add_matmul(dw_out_acc, dym.t(), hid)
+                    _add_matmul(dw_out_acc, dym_t, hid)
         if need_dln:
             dln_w = dln_w_part.sum(0)
             dln_b = dln_b_part.sum(0)
