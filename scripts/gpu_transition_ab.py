@@ -17,10 +17,18 @@ rounds (``triton.testing.do_bench``, median per round) on:
 The table gives the median and range over the rounds. Then, per kit:
 
 * the host time to issue one module forward + backward while the GPU is held busy
-  (``torch.cuda._sleep`` queued first), median of 20: what the call costs the CPU,
-  with any hidden synchronisation showing up as the sleep's length;
+  (``torch.cuda._sleep`` queued first), median of 20. A hidden synchronisation
+  would show up as the sleep's length. Each call starts cold, after a
+  synchronisation, so this is an upper bound on the host cost inside a loop: in
+  session 19 it exceeded the steady-state time of the whole call (3.37 against
+  3.01 ms at N=768), whose CUDA kernels alone took 2.94 ms;
 * the CUDA time of each kernel in one forward + backward (``torch.profiler``; the
   input-gradient kernel runs once per chunk of rows).
+
+``--host-pieces`` instead times, in the same way (cold host time behind a GPU
+sleep), the pieces of one chunk of this kit's "gemm" backward at N=768: the
+weight-gradient GEMMs as the kit calls them and alternatives, slicing, the whole
+backward and the forward launch.
 
 Diagnostic only: no JSON rows.
 """
@@ -140,10 +148,57 @@ def issue_ms(call, calls: int = 20) -> float:
     return statistics.median(times)
 
 
+def host_pieces(say) -> None:
+    """Host microseconds per call of each piece of one "gemm" backward chunk."""
+    fn = kits()["kit"]
+    x, params, mask, dy = inputs(768)
+    w_ab = weights(fn, params[2], params[3], torch.bfloat16)
+    w_out = params[4].bfloat16()
+    rows, c, h = 67584, C, N_MULT * C
+    dab = torch.randn(rows, 2 * h, device="cuda").bfloat16()
+    xn = torch.randn(rows, c, device="cuda").bfloat16()
+    acc = torch.zeros(2 * h, c, device="cuda")
+    out = torch.empty_like(acc)
+    dab_t = dab.t()
+    pieces = {
+        "mm(out_dtype=fp32)": lambda: torch.mm(dab_t, xn, out_dtype=torch.float32),
+        "mm(out_dtype=fp32) + add_": lambda: acc.add_(
+            torch.mm(dab_t, xn, out_dtype=torch.float32)
+        ),
+        "mm(out_dtype=fp32, out=)": lambda: torch.mm(
+            dab_t, xn, out_dtype=torch.float32, out=out
+        ),
+        "addmm(out_dtype=fp32)": lambda: torch.addmm(
+            acc, dab_t, xn, out_dtype=torch.float32
+        ),
+        "mm bf16": lambda: torch.mm(dab_t, xn),
+        "slice x4": lambda: [t[:rows] for t in (dab, xn, dab, xn)],
+        "whole bwd, 9 chunks": lambda: fn.swiglu_transition_bwd(
+            dy,
+            x,
+            *params[:2],
+            w_ab,
+            w_out,
+            mask,
+            *fn.swiglu_transition_fwd(x, *params[:2], w_ab, w_out, mask, 1e-5)[1:],
+        ),
+        "fwd launch": lambda: fn.swiglu_transition_fwd(
+            x, *params[:2], w_ab, w_out, mask, 1e-5
+        ),
+    }
+    for name, call in pieces.items():
+        try:
+            call()
+            say(f"  {name:28} {issue_ms(call) * 1e3:9.1f} us host per call")
+        except Exception as error:  # noqa: BLE001 (report and go on)
+            say(f"  {name:28} failed: {type(error).__name__}: {error}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", help="also write the report here")
     parser.add_argument("--n", type=int, nargs="+", default=[768, 1024])
+    parser.add_argument("--host-pieces", action="store_true")
     args = parser.parse_args()
     lines: list[str] = []
 
@@ -151,6 +206,11 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
+    if args.host_pieces:
+        host_pieces(say)
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+        return
     modules = kits()
     say(
         f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
