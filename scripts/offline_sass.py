@@ -1,8 +1,15 @@
-"""Compile an EvoFlash kernel for the H200 (sm_90a) without a GPU and count what
-the compiler made of it.
+"""Compile an EvoFlash or fused-transition kernel for the H200 (sm_90a) without a
+GPU and count what the compiler made of it.
 
     python scripts/offline_sass.py fwd --block 128 64 --s-group 1 --warps 4 --stages 3
     python scripts/offline_sass.py dkdv --block 64 64 --shape 1,48,768,16,48 --json
+    python scripts/offline_sass.py transition-bwd --block 64 32 --warps 4 --stages 3
+
+The transition kernels (``transition-fwd``, ``transition-bwd``: the forward and the
+input-gradient kernel of the "gemm" backward, with its stores) take ``--block
+BLOCK_M BLOCK_H`` and ``--channels`` (c; n*c = 4c), with OF3's pair-transition flags
+(LayerNorm, a row mask, 16-bit weights; ``--dtype``); a tile element there is one
+(row, hidden unit) pair.
 
 For a kernel change, before spending device time on it: the layout conversions of
 the Triton GPU IR (``ttg.convert_layout``, each a round trip through shared memory
@@ -56,6 +63,14 @@ FLAGS = {  # constexpr flags of a triangle-attention call (OF3's training path)
     "MASK_RANGES": os.environ.get("OFFLINE_SASS_MASK_RANGES", "1") == "1",
 }
 SHAPE = (1, 1024, 1024, 4, 32)  # triangle attention at N = 1024: B, S, N, H, D
+TRANSITION_KERNELS = {  # name -> (module, function, extra constexpr flags)
+    "transition-fwd": ("_fwd", "_swiglu_transition_fwd_kernel", {}),
+    "transition-bwd": ("_bwd", "_swiglu_transition_bwd_input_kernel",
+                       {"STORE_DX": True, "LN_GRAD": True, "NEED_DXN": True,
+                        "STORE_HIDDEN": True}),
+}
+TRANSITION_FP32_POINTERS = {"LN_W", "LN_B", "MEAN", "RSTD", "DLN_W_PART",
+                            "DLN_B_PART"}
 SASS_LINE = re.compile(
     r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9]*)\S*([^;]*)")
 
@@ -169,6 +184,61 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
     return report
 
 
+def compile_transition(name: str, block: tuple[int, int], warps: int, stages: int,
+                       channels: int, dtype: str) -> dict:
+    """Compile a fused-transition kernel for sm_90a as a pair transition over
+    ``N = 768`` (589,824 rows) would launch it; the report's fields as for EvoFlash."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, function, flags = TRANSITION_KERNELS[name]
+    kernel = getattr(importlib.import_module(
+        f"of3_megafold.kernels.swiglu_transition.{module}"), function)
+    while not hasattr(kernel, "params"):  # autotune / heuristics wrappers
+        kernel = kernel.fn
+    c, h = channels, 4 * channels
+    constexprs = {"NORMALIZE": True, "HAS_MASK": True, "FAST_SIGMOID": dtype != "fp32",
+                  "INPUT_PRECISION": "ieee", "INTERPRETER": False,
+                  "BLOCK_C": max(16, triton.next_power_of_2(c)), "BLOCK_M": block[0],
+                  "BLOCK_H": block[1], "EVEN_WEIGHTS": h % block[1] == 0, **flags}
+    values = {"M": 768 * 768, "C": c, "H": h, "ROW0": 0, "P0": 0}
+    names = [p.name for p in kernel.params]
+    signature, attrs = {}, {}
+    for index, param in enumerate(kernel.params):
+        arg = param.name
+        if param.is_constexpr:
+            signature[arg] = "constexpr"
+        elif arg == "eps":
+            signature[arg] = "fp32"
+        elif arg in values or arg.startswith("stride_"):
+            signature[arg] = "i32"
+            if values.get(arg, c) % 16 == 0:  # strides: c
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "*fp32" if arg in TRANSITION_FP32_POINTERS else f"*{dtype}"
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, attrs=attrs,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    report = {
+        "kernel": name, "block": list(block), "s_group": 1, "warps": warps,
+        "stages": stages, "shape": [768 * 768, c, h], "dtype": dtype,
+        "triton": triton.__version__,
+        "convert_layout": [line.strip().split(" loc(")[0]
+                           for line in compiled.asm["ttgir"].splitlines()
+                           if "ttg.convert_layout" in line],
+    }
+    report.update(_ptxas_and_sass(compiled.asm["ptx"]))
+    loop = report["loop"]
+    loop["elements_per_thread"] = block[0] * block[1] // (32 * warps)
+    loop["per_element"] = round(loop["instructions"] / loop["elements_per_thread"], 2)
+    return report
+
+
 def _tool(name: str) -> Path:
     """A CUDA tool bundled with Triton's NVIDIA backend (the newest ptxas: the PTX
     Triton writes may need a newer one than ``ptxas``)."""
@@ -220,7 +290,7 @@ def _main_loop(code: list[tuple[int, str, str]]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=sorted(KERNELS))
+    parser.add_argument("kernel", choices=sorted(KERNELS) + sorted(TRANSITION_KERNELS))
     parser.add_argument("--block", type=int, nargs=2, default=(64, 64),
                         metavar=("M", "N"), help="BLOCK_M BLOCK_N")
     parser.add_argument("--s-group", type=int, default=1)
@@ -230,11 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="B,S,N,H,D of the launch to specialise for (default: "
                              "triangle N=1024)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--channels", type=int, default=128,
+                        help="transition kernels: c (n*c = 4c)")
     parser.add_argument("--json", action="store_true", help="the whole report as JSON")
     args = parser.parse_args(argv)
-    report = compile_kernel(args.kernel, tuple(args.block), args.s_group, args.warps,
-                            args.stages, tuple(int(x) for x in args.shape.split(",")),
-                            args.dtype)
+    if args.kernel in TRANSITION_KERNELS:
+        report = compile_transition(args.kernel, tuple(args.block), args.warps,
+                                    args.stages, args.channels, args.dtype)
+    else:
+        report = compile_kernel(args.kernel, tuple(args.block), args.s_group,
+                                args.warps, args.stages,
+                                tuple(int(x) for x in args.shape.split(",")),
+                                args.dtype)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

@@ -36,3 +36,24 @@ def test_forward_kernel_report():
     # is read in the logits' layout: no conversion (session 14's unhinted compile
     # converted it, through shared memory)
     assert not [line for line in report["convert_layout"] if line.startswith("%bias")]
+
+
+def test_transition_input_kernel_report():
+    # The fused transition's input-gradient kernel (with the "gemm" path's stores):
+    # a and b come out of two dots in the accumulator layout, so its main loop has
+    # no warp shuffles (session 19: the split of one interleaved product had 48).
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "transition-bwd", "--block", "64", "32",
+         "--warps", "4", "--stages", "2", "--channels", "64", "--json"],
+        capture_output=True, text=True, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["kernel"] == "transition-bwd" and report["shape"][1:] == [64, 256]
+    loop = report["loop"]
+    assert loop["elements_per_thread"] == 16
+    # three products per hidden chunk (a, b, dh), two more into dxn: tensor-core dots
+    assert any(op.startswith(("HGMMA", "HMMA")) for op in loop["ops"])
+    assert loop["ops"].get("MUFU", 0) >= 16  # one sigmoid per element
+    assert "SHFL" not in loop["ops"]

@@ -14,9 +14,10 @@ the same left operand, each in the tensor cores' accumulator layout, so ``h`` is
 formed element by element and feeds the next dot without a layout change. (Until
 session 19 the two weights were interleaved and one ``2 BLOCK_H`` wide product was
 split: warp shuffles and selects on every element, and as many again for the
-backward's re-join. The input-gradient kernel's main loop went from 690 to 507
-SASS instructions per iteration at 64 x 32 tiles; docs/benchmarks.md.) The weights
-are re-read from L2 by every program.
+backward's re-join. The input-gradient kernel's main loop went from 690 to 505
+SASS instructions per iteration at 64 x 32 tiles, ``scripts/offline_sass.py
+transition-bwd``; docs/benchmarks.md.) The weights are re-read from L2 by every
+program.
 """
 
 from __future__ import annotations
