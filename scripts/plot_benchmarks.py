@@ -13,7 +13,8 @@ One generic plotter for every benchmark, keyed on the row fields:
   name starts with ``n`` and that varies.
 - y: ``ms`` (left panel, log scale) and peak memory in MiB (right panel; from
   ``peak_mib``, or ``peak_gib`` converted).
-- one line per provider / dtype / precision (the fields that are present);
+- one line per provider / dtype / precision / variant / recycle count (the fields
+  that are present);
 - one row of panels per combination of the other text fields that vary (a case
   name, ``mode``, ``config``, the GPU when rows come from several).
 
@@ -42,8 +43,10 @@ KNOWN_BENCHMARKS = (
     "triangle_multiplication",
 )
 SIZE_FIELDS = ("n_token", "n_atom", "n", "N", "seq_len", "n_res", "size")
-SERIES_FIELDS = frozenset({"provider", "dtype", "precision", "variant"})
-SERIES_ORDER = ("provider", "dtype", "precision", "variant")
+# The recycle count is a series of its own: a step with 3 trunk recycles is not
+# comparable with one with 1 (OF3's seeded draw or ``--num-recycles``).
+SERIES_FIELDS = frozenset({"provider", "dtype", "precision", "variant", "recycles"})
+SERIES_ORDER = ("provider", "dtype", "precision", "variant", "recycles")
 # Text fields that never split rows into panels: they identify the run, not the case.
 IDENTITY_FIELDS = frozenset(
     {
@@ -74,7 +77,6 @@ RESULT_FIELDS = frozenset(
         "first_step_ms",
         "launches",
         "loss",
-        "recycles",
         "oom",
         "warmup",
         "repeats",
@@ -159,7 +161,13 @@ def choose_x_field(rows: Sequence[dict[str, Any]], requested: str | None = None)
 
 
 def series_label(row: dict[str, Any]) -> str:
-    parts = [str(row[field]) for field in SERIES_ORDER if row.get(field) is not None]
+    parts = [
+        f"{row[field]} recycle{'s' * (row[field] != 1)}"
+        if field == "recycles"
+        else str(row[field])
+        for field in SERIES_ORDER
+        if row.get(field) is not None
+    ]
     return " / ".join(parts) or "rows"
 
 
