@@ -28,10 +28,11 @@ splits dQ from dK/dV:
   into the weight gradients (the "gemm" path of ``function.py``: 3 more
   GEMM-equivalents, nothing recomputed twice).
 * ``_swiglu_transition_bwd_weight_kernel`` (the "kernel" path, for fewer rows): a
-  program per (hidden chunk, row split) recomputes ``a, b, dh`` and keeps ``dw_ab``
-  and ``dw_out`` of its chunk in fp32 registers while it walks its share of the row
-  blocks, and writes them to a per-split partial buffer that the launcher sums
-  (deterministic, no atomics). Four matmuls per row block, 6 GEMM-equivalents.
+  program per (hidden chunk, row split) recomputes ``a, b, dh`` and keeps ``dw_a``,
+  ``dw_b`` and ``dw_out`` of its chunk in fp32 registers while it walks its share of
+  the row blocks, and writes them to a per-split partial buffer that the launcher
+  sums (deterministic, no atomics). Six dots per row block (``a``, ``b``, ``dh`` and
+  the three weight-gradient products), 6 GEMM-equivalents.
 """
 
 from __future__ import annotations
