@@ -136,14 +136,38 @@ def _specialize(signature: dict, constexprs: dict, values: dict) -> dict:
     return attrs
 
 
-def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
-                   stages: int, shape: tuple[int, ...], dtype: str) -> dict:
-    """Compile ``name`` for sm_90a; the report's fields (see the module doc)."""
-    import importlib
-
+def _compile(kernel, signature: dict, attrs: dict, constexprs: dict, warps: int,
+             stages: int, elements: int, report: dict) -> dict:
+    """Compile ``kernel`` for sm_90a and add to ``report`` what the compiler made of
+    it (see the module doc); ``elements``: tile elements a program handles per
+    iteration of its main loop."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    names = [p.name for p in kernel.params]
+    source = ASTSource(kernel, signature, attrs=attrs,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    report["triton"] = triton.__version__
+    report["convert_layout"] = [
+        line.strip().split(" loc(")[0]
+        for line in compiled.asm["ttgir"].splitlines()
+        if "ttg.convert_layout" in line
+    ]
+    report.update(_ptxas_and_sass(compiled.asm["ptx"]))
+    loop = report["loop"]
+    loop["elements_per_thread"] = elements // (32 * warps)
+    loop["per_element"] = round(loop["instructions"] / loop["elements_per_thread"], 2)
+    return report
+
+
+def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
+                   stages: int, shape: tuple[int, ...], dtype: str) -> dict:
+    """Compile EvoFlash's ``name`` for sm_90a; the report's fields (see the module
+    doc)."""
+    import importlib
 
     from of3_megafold.kernels.evoflash.configs import d_block
 
@@ -161,38 +185,23 @@ def compile_kernel(name: str, block: tuple[int, int], s_group: int, warps: int,
         constexprs["S_GROUP"] = s_group
     signature = _signature(kernel, dtype, constexprs)
     attrs = _specialize(signature, constexprs, _argument_values(shape, shape[1]))
-    source = ASTSource(kernel, signature, attrs=attrs,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
     report = {
         "kernel": name, "block": list(block), "s_group": s_group, "warps": warps,
         "stages": stages, "shape": list(shape), "head_dim": head_dim, "dtype": dtype,
-        "triton": triton.__version__,
-        "convert_layout": [
-            line.strip().split(" loc(")[0]
-            for line in ttgir.splitlines()
-            if "ttg.convert_layout" in line
-        ],
     }
-    report.update(_ptxas_and_sass(ptx))
-    per_iteration = block[0] * block[1] * (s_group if "S_GROUP" in names else 1)
-    loop = report["loop"]
-    loop["elements_per_thread"] = per_iteration // (32 * warps)
-    loop["per_element"] = round(loop["instructions"] / loop["elements_per_thread"], 2)
-    return report
+    elements = block[0] * block[1] * (s_group if "S_GROUP" in names else 1)
+    return _compile(kernel, signature, attrs, constexprs, warps, stages, elements,
+                    report)
 
 
 def compile_transition(name: str, block: tuple[int, int], warps: int, stages: int,
                        channels: int, dtype: str) -> dict:
     """Compile a fused-transition kernel for sm_90a as a pair transition over
-    ``N = 768`` (589,824 rows) would launch it; the report's fields as for EvoFlash."""
+    ``N = 768`` (589,824 rows) would launch it; the report's fields as for EvoFlash
+    (a tile element: one row and hidden unit)."""
     import importlib
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     module, function, flags = TRANSITION_KERNELS[name]
     kernel = getattr(importlib.import_module(
@@ -205,7 +214,6 @@ def compile_transition(name: str, block: tuple[int, int], warps: int, stages: in
                   "BLOCK_C": max(16, triton.next_power_of_2(c)), "BLOCK_M": block[0],
                   "BLOCK_H": block[1], "EVEN_WEIGHTS": h % block[1] == 0, **flags}
     values = {"M": 768 * 768, "C": c, "H": h, "ROW0": 0, "P0": 0}
-    names = [p.name for p in kernel.params]
     signature, attrs = {}, {}
     for index, param in enumerate(kernel.params):
         arg = param.name
@@ -220,23 +228,12 @@ def compile_transition(name: str, block: tuple[int, int], warps: int, stages: in
         else:
             signature[arg] = "*fp32" if arg in TRANSITION_FP32_POINTERS else f"*{dtype}"
             attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, attrs=attrs,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
     report = {
         "kernel": name, "block": list(block), "s_group": 1, "warps": warps,
         "stages": stages, "shape": [768 * 768, c, h], "dtype": dtype,
-        "triton": triton.__version__,
-        "convert_layout": [line.strip().split(" loc(")[0]
-                           for line in compiled.asm["ttgir"].splitlines()
-                           if "ttg.convert_layout" in line],
     }
-    report.update(_ptxas_and_sass(compiled.asm["ptx"]))
-    loop = report["loop"]
-    loop["elements_per_thread"] = block[0] * block[1] // (32 * warps)
-    loop["per_element"] = round(loop["instructions"] / loop["elements_per_thread"], 2)
-    return report
+    return _compile(kernel, signature, attrs, constexprs, warps, stages,
+                    block[0] * block[1], report)
 
 
 def _tool(name: str) -> Path:
