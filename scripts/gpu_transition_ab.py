@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
+from gpu_check_transition import make  # this folder's check script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,23 +68,9 @@ def weights(fn, w_a, w_b, dtype):
 
 
 def inputs(n_res: int):
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    m, h = n_res * n_res, N_MULT * C
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
-
-    x = (randn(m, C) * 2 + 0.5).bfloat16()
-    params = [
-        1 + 0.2 * randn(C),
-        0.2 * randn(C),
-        randn(h, C) * (2 / C) ** 0.5,
-        randn(h, C) * (2 / C) ** 0.5,
-        randn(C, h) * (1 / h) ** 0.5,
-    ]
-    mask = (torch.rand(m, generator=gen, device="cuda") > 0.2).float()
-    dy = randn(m, C).bfloat16()
-    return x, params, mask, dy
+    """``gpu_check_transition.make``'s bf16 inputs for ``[1, n_res, n_res, C]``."""
+    x, params, mask, dy = make(n_res * n_res, C, N_MULT, torch.bfloat16, seed=1)
+    return x, params, mask, dy.bfloat16()
 
 
 def pieces(fn, x, params, mask, dy, n_res: int) -> dict:

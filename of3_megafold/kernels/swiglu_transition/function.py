@@ -292,7 +292,6 @@ def swiglu_transition_bwd(
         else:
             chunk = max(m, 1)
             hidden = [x] * 4  # unused pointers
-        views_rows, views = 0, None
         for r0 in range(0, m, chunk):
             rows = min(chunk, m - r0)
             _bwd_input_rows(
@@ -300,15 +299,14 @@ def swiglu_transition_bwd(
                 mean_, rstd_, dx if need_dx else x, dln_w_part, dln_b_part, hidden,
                 need_dx, need_dln, by_gemm, common,
             )  # fmt: skip
-            if by_gemm:
-                if rows != views_rows:  # the GEMMs' operands: one set per chunk size
-                    xn, dym, dab, hid = (t[:rows] for t in hidden)
-                    views_rows, views = rows, (dab.t(), xn, dym.t(), hid)
-                dab_t, xn, dym_t, hid = views
+            if by_gemm:  # the buffers hold a full chunk; only the last is shorter
+                xn, dym, dab, hid = (
+                    hidden if rows == chunk else [t[:rows] for t in hidden]
+                )
                 if need_dw_ab:
-                    _add_matmul(dw_ab_acc, dab_t, xn)
+                    _add_matmul(dw_ab_acc, dab.t(), xn)
                 if need_dw_out:
-                    _add_matmul(dw_out_acc, dym_t, hid)
+                    _add_matmul(dw_out_acc, dym.t(), hid)
         if need_dln:
             dln_w = dln_w_part.sum(0)
             dln_b = dln_b_part.sum(0)
