@@ -40,6 +40,8 @@ from ._tiles import (
     _load_mask_range,
     _load_rowstat,
     _load_tile,
+    _logits,
+    _prescale,
     _row_ptr,
     _stat_ptr,
 )
@@ -105,12 +107,13 @@ def _dkdv_query_block(
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
     PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dK/dV of one key block and one S slice, from the query block ``offs_m``.
-    Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
-    dots without a layout change; the bias comes pre-transposed. ``r`` enters dS
-    through an FMA; it reaches dV (a per-query factor inside the sum) only in the
-    S slices that hold a fully masked query, ``needs_r``, so elsewhere dO goes to
-    the tensor cores as loaded."""
+    """dK/dV of one key block and one S slice, from the query block ``offs_m``;
+    ``k`` carries the scale (``_tiles._prescale``). Works on transposed
+    ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the dots without a layout
+    change; the bias comes pre-transposed. ``r`` enters dS through an FMA; it
+    reaches dV (a per-query factor inside the sum) only in the S slices that hold
+    a fully masked query, ``needs_r``, so elsewhere dO goes to the tensor cores as
+    loaded."""
     q = _load_tile(Q_row, offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
                    PRECISION > 0)
     do = _load_tile(DO_row, offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
@@ -119,9 +122,7 @@ def _dkdv_query_block(
     lse = _load_rowstat(LSE_row, offs_m, N, float("inf"), EVEN_N)
     r = _load_rowstat(R_row, offs_m, N, 0.0, EVEN_N)
     delta = _load_rowstat(DELTA_row, offs_m, N, 0.0, EVEN_N)
-    s_t = _dot(k, tl.trans(q), None, PRECISION) * sm_scale
-    if HAS_BIAS:
-        s_t += bias_t
+    s_t = _logits(k, tl.trans(q), bias_t, sm_scale, True, HAS_BIAS, PRECISION)
     if COL_MASK:
         s_t += key_mask[:, None]
     p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
@@ -166,8 +167,10 @@ def _evoflash_bwd_dkdv_kernel(
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k0 = _load_tile(_row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh), offs_n,
-                    offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
+    k0 = _prescale(
+        _load_tile(_row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh), offs_n,
+                   offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, PRECISION > 0),
+        sm_scale)
     v0 = _load_tile(_row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh), offs_n,
                     offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     mask0 = _load_key_mask(MASK, b, s0, offs_n, N, stride_mb, stride_ms, stride_mn,
@@ -179,9 +182,11 @@ def _evoflash_bwd_dkdv_kernel(
     dv0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
-        k1 = _load_tile(_row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh),
-                        offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, False,
-                        PRECISION > 0)
+        k1 = _prescale(
+            _load_tile(_row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh),
+                       offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, False,
+                       PRECISION > 0),
+            sm_scale)
         v1 = _load_tile(_row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh),
                         offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
                         PRECISION > 0)
@@ -239,14 +244,14 @@ def _ds_block(
     N, D, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
+    PRESCALED: tl.constexpr,
 ):
-    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice; ``masked``: the key
-    block needs its column mask (``_tiles._key_block_masked``)."""
+    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice; ``PRESCALED``: ``q``
+    carries the scale (``_tiles._logits``); ``masked``: the key block needs its
+    column mask (``_tiles._key_block_masked``)."""
     v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
-    s = _dot(q, k_t, None, PRECISION) * sm_scale
-    if HAS_BIAS:
-        s += bias
+    s = _logits(q, k_t, bias, sm_scale, PRESCALED, HAS_BIAS, PRECISION)
     if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if masked:
             key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb,
@@ -272,7 +277,7 @@ def _dq_key_block(
     ds = _ds_block(q, do, lse, r, delta, bias, masked, k_t, V_row, MASK, b, s,
                    offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
                    sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                   PRECISION)
+                   PRECISION, True)
     if STORE_DS:
         db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
         inside = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
@@ -316,8 +321,10 @@ def _evoflash_bwd_dq_kernel(
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
-                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
+    q0 = _prescale(
+        _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
+                   offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0),
+        sm_scale)
     do0 = _load_tile(_row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh),
                      offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
                      PRECISION > 0)
@@ -333,9 +340,11 @@ def _evoflash_bwd_dq_kernel(
     dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
-        q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
-                        offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
-                        PRECISION > 0)
+        q1 = _prescale(
+            _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
+                       offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
+                       PRECISION > 0),
+            sm_scale)
         do1 = _load_tile(_row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh),
                          offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
                          PRECISION > 0)
@@ -461,7 +470,7 @@ def _evoflash_bwd_dbias_kernel(
                        _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
                        b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
                        stride_mn, sm_scale, HAS_MASK, True, COL_MASK, EVEN_N,
-                       PAD_D, PRECISION)
+                       PAD_D, PRECISION, False)
         dbias += ds
         if FUSE_DQ:
             dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, PRECISION)
