@@ -40,8 +40,6 @@ from ._tiles import (
     _load_mask_range,
     _load_rowstat,
     _load_tile,
-    _logits,
-    _prescale,
     _row_ptr,
     _stat_ptr,
 )
@@ -107,13 +105,12 @@ def _dkdv_query_block(
     HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr, EVEN_N: tl.constexpr,
     PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dK/dV of one key block and one S slice, from the query block ``offs_m``;
-    ``k`` carries the scale (``_tiles._prescale``). Works on transposed
-    ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the dots without a layout
-    change; the bias comes pre-transposed. ``r`` enters dS through an FMA; it
-    reaches dV (a per-query factor inside the sum) only in the S slices that hold
-    a fully masked query, ``needs_r``, so elsewhere dO goes to the tensor cores as
-    loaded."""
+    """dK/dV of one key block and one S slice, from the query block ``offs_m``.
+    Works on transposed ``[BLOCK_N, BLOCK_M]`` tiles so P^T and dS^T feed the
+    dots without a layout change; the bias comes pre-transposed. ``r`` enters dS
+    through an FMA; it reaches dV (a per-query factor inside the sum) only in the
+    S slices that hold a fully masked query, ``needs_r``, so elsewhere dO goes to
+    the tensor cores as loaded."""
     q = _load_tile(Q_row, offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
                    PRECISION > 0)
     do = _load_tile(DO_row, offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
@@ -122,7 +119,9 @@ def _dkdv_query_block(
     lse = _load_rowstat(LSE_row, offs_m, N, float("inf"), EVEN_N)
     r = _load_rowstat(R_row, offs_m, N, 0.0, EVEN_N)
     delta = _load_rowstat(DELTA_row, offs_m, N, 0.0, EVEN_N)
-    s_t = _logits(k, tl.trans(q), bias_t, sm_scale, True, HAS_BIAS, PRECISION)
+    s_t = _dot(k, tl.trans(q), None, PRECISION) * sm_scale
+    if HAS_BIAS:
+        s_t += bias_t
     if COL_MASK:
         s_t += key_mask[:, None]
     p_t = tl.math.exp2(s_t * LOG2E - lse[None, :])
@@ -167,10 +166,8 @@ def _evoflash_bwd_dkdv_kernel(
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k0 = _prescale(
-        _load_tile(_row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh), offs_n,
-                   offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, PRECISION > 0),
-        sm_scale)
+    k0 = _load_tile(_row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh), offs_n,
+                    offs_d, stride_kn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     v0 = _load_tile(_row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh), offs_n,
                     offs_d, stride_vn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     mask0 = _load_key_mask(MASK, b, s0, offs_n, N, stride_mb, stride_ms, stride_mn,
@@ -182,11 +179,9 @@ def _evoflash_bwd_dkdv_kernel(
     dv0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
-        k1 = _prescale(
-            _load_tile(_row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh),
-                       offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, False,
-                       PRECISION > 0),
-            sm_scale)
+        k1 = _load_tile(_row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh),
+                        offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, False,
+                        PRECISION > 0)
         v1 = _load_tile(_row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh),
                         offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
                         PRECISION > 0)
@@ -244,14 +239,14 @@ def _ds_block(
     N, D, stride_vn, stride_mb, stride_ms, stride_mn, sm_scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
-    PRESCALED: tl.constexpr,
 ):
-    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice; ``PRESCALED``: ``q``
-    carries the scale (``_tiles._logits``); ``masked``: the key block needs its
-    column mask (``_tiles._key_block_masked``)."""
+    """``dS`` of a ``[BLOCK_M, BLOCK_N]`` tile of one S slice; ``masked``: the key
+    block needs its column mask (``_tiles._key_block_masked``)."""
     v_t = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
-    s = _logits(q, k_t, bias, sm_scale, PRESCALED, HAS_BIAS, PRECISION)
+    s = _dot(q, k_t, None, PRECISION) * sm_scale
+    if HAS_BIAS:
+        s += bias
     if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if masked:
             key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb,
@@ -277,7 +272,7 @@ def _dq_key_block(
     ds = _ds_block(q, do, lse, r, delta, bias, masked, k_t, V_row, MASK, b, s,
                    offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms, stride_mn,
                    sm_scale, HAS_MASK, HAS_BIAS, COL_MASK, EVEN_N, PAD_D,
-                   PRECISION, True)
+                   PRECISION)
     if STORE_DS:
         db_ptrs = DB_row + offs_m[:, None] * stride_dbi + offs_n[None, :]
         inside = (offs_m[:, None] < n_rows) & (offs_n[None, :] < N)
@@ -321,10 +316,8 @@ def _evoflash_bwd_dq_kernel(
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q0 = _prescale(
-        _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
-                   offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0),
-        sm_scale)
+    q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
+                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     do0 = _load_tile(_row_ptr(DO, b, s0, h, stride_dob, stride_dos, stride_doh),
                      offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
                      PRECISION > 0)
@@ -340,11 +333,9 @@ def _evoflash_bwd_dq_kernel(
     dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if S_GROUP == 2:
         s1 = tl.minimum(s0 + 1, S - 1)
-        q1 = _prescale(
-            _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
-                       offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
-                       PRECISION > 0),
-            sm_scale)
+        q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
+                        offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
+                        PRECISION > 0)
         do1 = _load_tile(_row_ptr(DO, b, s1, h, stride_dob, stride_dos, stride_doh),
                          offs_m, offs_d, stride_don, N, D, EVEN_N, PAD_D, False,
                          PRECISION > 0)
@@ -470,7 +461,7 @@ def _evoflash_bwd_dbias_kernel(
                        _row_ptr(V, b, s, h, stride_vb, stride_vs, stride_vh), MASK,
                        b, s, offs_n, offs_d, N, D, stride_vn, stride_mb, stride_ms,
                        stride_mn, sm_scale, HAS_MASK, True, COL_MASK, EVEN_N,
-                       PAD_D, PRECISION, False)
+                       PAD_D, PRECISION)
         dbias += ds
         if FUSE_DQ:
             dq = _dot(_cast(ds, k_t.dtype), tl.trans(k_t), None, PRECISION)

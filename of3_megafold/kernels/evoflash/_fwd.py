@@ -29,8 +29,6 @@ from ._tiles import (
     _load_key_mask,
     _load_mask_range,
     _load_tile,
-    _logits,
-    _prescale,
     _row_ptr,
     _stat_ptr,
 )
@@ -69,14 +67,15 @@ def _fwd_key_block(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, COL_MASK: tl.constexpr,
     EVEN_N: tl.constexpr, PAD_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One online-softmax step of one S slice over the key block ``offs_n``; ``q``
-    carries the scale (``_tiles._prescale``); ``masked``: the block needs the column
-    mask (``_tiles._key_block_masked``)."""
+    """One online-softmax step of one S slice over the key block ``offs_n``;
+    ``masked``: the block needs the column mask (``_tiles._key_block_masked``)."""
     k_t = _load_tile(K_row, offs_n, offs_d, stride_kn, N, D, EVEN_N, PAD_D, True,
                      PRECISION > 0)
     v = _load_tile(V_row, offs_n, offs_d, stride_vn, N, D, EVEN_N, PAD_D, False,
                    PRECISION > 0)
-    s = _logits(q, k_t, bias, sm_scale, True, HAS_BIAS, PRECISION)
+    s = _dot(q, k_t, None, PRECISION) * sm_scale
+    if HAS_BIAS:
+        s += bias
     if COL_MASK:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if masked:
             key_mask = _load_key_mask(MASK, b, s_idx, offs_n, N, stride_mb,
@@ -151,10 +150,8 @@ def _evoflash_fwd_kernel(
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q0 = _prescale(
-        _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
-                   offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0),
-        sm_scale)
+    q0 = _load_tile(_row_ptr(Q, b, s0, h, stride_qb, stride_qs, stride_qh), offs_m,
+                    offs_d, stride_qn, N, D, EVEN_N, PAD_D, False, PRECISION > 0)
     K0 = _row_ptr(K, b, s0, h, stride_kb, stride_ks, stride_kh)
     V0 = _row_ptr(V, b, s0, h, stride_vb, stride_vs, stride_vh)
     lo0, hi0 = _load_mask_range(KRANGE, b, s0, stride_rb, stride_rs, MASK_RANGES)
@@ -164,11 +161,9 @@ def _evoflash_fwd_kernel(
     if S_GROUP == 2:
         # A group running past S recomputes slice S-1 and does not store it.
         s1 = tl.minimum(s0 + 1, S - 1)
-        q1 = _prescale(
-            _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
-                       offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
-                       PRECISION > 0),
-            sm_scale)
+        q1 = _load_tile(_row_ptr(Q, b, s1, h, stride_qb, stride_qs, stride_qh),
+                        offs_m, offs_d, stride_qn, N, D, EVEN_N, PAD_D, False,
+                        PRECISION > 0)
         K1 = _row_ptr(K, b, s1, h, stride_kb, stride_ks, stride_kh)
         V1 = _row_ptr(V, b, s1, h, stride_vb, stride_vs, stride_vh)
         lo1, hi1 = _load_mask_range(KRANGE, b, s1, stride_rb, stride_rs, MASK_RANGES)

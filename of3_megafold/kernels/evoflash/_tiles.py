@@ -3,16 +3,9 @@
 Conventions used by every kernel of the op:
 
 * logits ``s = scale q.k + pair_bias + mask_bias`` are formed in natural units
-  and exponentiated as ``exp2(s * log2(e) - c)`` with ``c`` a per-row constant kept
-  in base 2: the ``log2(e)`` rides on that FMA, so the bias needs no scaling
-  (flash-attention 2's trick for the softmax scale). The operand a program keeps
-  for its whole loop (q in the forward and dQ kernels, k in the dK/dV kernel)
-  carries the scale (``_prescale``, once per program), so ``(scale q).k +
-  pair_bias`` is one dot whose accumulator starts from the bias tile
-  (``_logits``): no per-logit multiply-add. The bias-gradient kernel reloads q
-  for every S slice and keeps its bias tile for all of them, so there the
-  multiply-add stays (starting each dot from the bias would cost a copy of the
-  tile per slice instead).
+  (one FMA and one add per element) and exponentiated as ``exp2(s * log2(e) - c)``
+  with ``c`` a per-row constant kept in base 2: the ``log2(e)`` rides on that FMA,
+  so the bias needs no scaling (flash-attention 2's trick for the softmax scale).
 * keys past the end of the sequence get ``-inf`` through the column mask; rows past
   the end load zeros and are never stored.
 * head dims that are not a power of two >= 16 are zero padded by masked loads.
@@ -53,31 +46,6 @@ else:
         else:
             out = tl.dot(a, b, acc)
         return out
-
-
-@triton.jit
-def _prescale(tile, sm_scale):
-    """``tile * sm_scale`` in the tile's dtype, computed in fp32 and rounded once:
-    for 16-bit tiles the rounding of OF3's own ``q / sqrt(c)``."""
-    return _cast(tile.to(tl.float32) * sm_scale, tile.dtype)
-
-
-@triton.jit
-def _logits(a, b, bias, sm_scale, PRESCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """``scale a @ b + bias`` in fp32. ``PRESCALED``: ``a`` already carries the
-    scale, and the bias tile is the dot's initial accumulator; otherwise a multiply
-    and an add per element after the dot."""
-    if PRESCALED:
-        if HAS_BIAS:  # noqa: SIM108 (constexpr branches)
-            s = _dot(a, b, bias, PRECISION)
-        else:
-            s = _dot(a, b, None, PRECISION)
-    else:
-        s = _dot(a, b, None, PRECISION) * sm_scale
-        if HAS_BIAS:
-            s += bias
-    return s
 
 
 @triton.jit

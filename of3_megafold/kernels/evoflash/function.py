@@ -181,10 +181,8 @@ class _Inputs:
         inp.q, inp.k, inp.v, inp.mask, inp.bias = q, k, v, mask, bias
         return inp
 
-    def common_args(self, scale: float, high_precision: bool) -> dict:
-        """The arguments every kernel of the op takes alike."""
+    def common_args(self, high_precision: bool) -> dict:
         return dict(
-            sm_scale=scale,
             stride_mb=self.mask_strides[0], stride_ms=self.mask_strides[1],
             stride_mn=self.mask_strides[2],
             S=self.S, N=self.N, H=self.H, D=self.D,
@@ -265,13 +263,14 @@ def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
         BIAS=inp.bias if inp.bias is not None else q,
         OUT=o, LSE=lse, RSCALE=r, RFLAG=flags,
         GATE=gate if gate is not None else q,
+        sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
         stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
         stride_ob=sob, stride_os=sos, stride_on=son, stride_oh=soh,
         stride_gtb=sgtb, stride_gts=sgts, stride_gtn=sgtn, stride_gth=sgth,
         GATED=gate is not None,
-        **inp.common_args(scale, high_precision), **inp.bias_args(),
+        **inp.common_args(high_precision), **inp.bias_args(),
         **inp.mask_range_args(krange, flags),  # last tensor: see evoflash_bwd
     )
     return o, lse, r, flags, krange
@@ -360,12 +359,13 @@ def evoflash_bwd(
         Q=q, K=inp.k, V=inp.v, DO=do,
         MASK=inp.mask if inp.mask is not None else q,
         LSE=lse, RSCALE=r, DELTA=delta,
+        sm_scale=scale,
         stride_qb=sqb, stride_qs=sqs, stride_qn=sqn, stride_qh=sqh,
         stride_kb=skb, stride_ks=sks, stride_kn=skn, stride_kh=skh,
         stride_vb=svb, stride_vs=svs, stride_vn=svn, stride_vh=svh,
         stride_dob=sdb, stride_dos=sds, stride_don=sdn, stride_doh=sdh,
         stride_gb=sgb, stride_gs=sgs, stride_gn=sgn, stride_gh=sgh,
-        **inp.common_args(scale, high_precision),
+        **inp.common_args(high_precision),
     )
     # the last tensor of the dQ and bias-gradient launches: the tuning key lists the
     # tensors' dtypes in the call's order, and the shipped table's keys had it
