@@ -40,11 +40,14 @@ DEFAULT_BENCH_DIR = Path("docs") / "benchmarks"
 def _user_errors():
     """Turn configuration mistakes into one readable message and exit status 1."""
     import pydantic
+    import yaml
 
     try:
         yield
     except KitError as err:
         raise click.ClickException(str(err)) from err
+    except yaml.YAMLError as err:  # the message names the file, line and column
+        raise click.ClickException(f"YAML could not be parsed:\n{err}") from err
     except pydantic.ValidationError as err:
         raise click.ClickException(f"runner YAML is not valid:\n{err}") from err
     except (KeyError, TypeError, ValueError, FileNotFoundError) as err:

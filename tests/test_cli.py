@@ -95,6 +95,19 @@ def test_unknown_key_still_fails_as_in_of3(runner_yaml, tmp_path):
     assert "locked" in result.output
 
 
+def test_malformed_yaml_is_one_readable_error(runner_yaml, tmp_path):
+    overlay = tmp_path / "broken.yml"
+    overlay.write_text("model_update: [1, 2\n")
+    for args in (["--runner-yaml", str(overlay)],
+                 ["--runner-yaml", str(runner_yaml), "--overlay", str(overlay)]):
+        result = CliRunner().invoke(main, ["train", *args])
+        assert result.exit_code == 1, result.output
+        assert "YAML could not be parsed" in result.output
+        assert "broken.yml" in result.output and "line 1" in result.output
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def _model_config(runner: dict):
     """The model config a runner dict asks for, built as OF3's runner builds it."""
     from openfold3.entry_points.validator import TrainingExperimentConfig
