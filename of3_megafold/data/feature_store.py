@@ -237,8 +237,9 @@ def build_feature_store(
         ``out_dir``.
 
     Raises:
-        FeatureStoreError: ``out_dir`` exists (without ``force``), or a structure
-            cannot be read or tokenized (the message names it; nothing is written).
+        FeatureStoreError: ``out_dir`` exists (without ``force``), the dataset
+            cache cannot be read, or a structure cannot be read or tokenized (the
+            message names it; nothing is written).
     """
     from openfold3.core.data.io.dataset_cache import read_datacache
     from tqdm.auto import tqdm
@@ -256,8 +257,14 @@ def build_feature_store(
             f"{out_dir} already exists; pass --force to rebuild it, or choose another "
             "directory"
         )
-    cache = read_datacache(dataset_cache_file)
-    pdb_ids = sorted(cache.structure_data)
+    try:
+        cache = read_datacache(dataset_cache_file)
+        pdb_ids = sorted(cache.structure_data)
+    except Exception as err:  # OF3's reader fails in many ways on a foreign file
+        raise FeatureStoreError(
+            f"{dataset_cache_file}: not an OF3 training dataset cache "
+            f"({type(err).__name__}: {err or 'unexpected end of file'})"
+        ) from err
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / STRUCTURES).mkdir(parents=True)

@@ -158,6 +158,18 @@ def test_a_bad_structure_is_named_and_nothing_is_written(paths, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["structures"]  # no staging left
 
 
+@pytest.mark.parametrize("text", ["", "garbage\n", '{"structure_data": 1}'])
+def test_a_foreign_dataset_cache_is_named_and_nothing_is_written(paths, tmp_path,
+                                                                  text):
+    cache = tmp_path / "cache.json"
+    cache.write_text(text)
+    out = tmp_path / "store"
+    with pytest.raises(FeatureStoreError, match="cache.json: not an OF3 training"):
+        build_feature_store(cache, paths["target_structures_directory"], out,
+                            progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
+
+
 def test_an_existing_store_is_replaced_only_with_force(paths, tmp_path):
     out = _build(paths, tmp_path / "store")
     with pytest.raises(FeatureStoreError, match="--force"):
