@@ -21,7 +21,8 @@ This host's Triton and its bundled ptxas compile; the GPU machine's (Triton 3.6 
 these sessions) may schedule and allocate differently. So the counts compare two
 versions of a kernel under one compiler; they do not predict the GPU's timing
 (docs/benchmarks.md, session 14: a change with 5% more float instructions here ran
-20-38% slower on the H200).
+20-38% slower on the H200; session 20: one with 7-8% fewer loop instructions, the
+logit dots started from the bias tile, ran 20-30% slower there too).
 
 The kernel is specialised as a launch at ``--shape`` would specialise it (Triton's
 rules: an integer argument equal to 1 becomes a constant, one divisible by 16 and
