@@ -18,11 +18,18 @@ the SASS instructions. Triangle-attention flags by default (bf16, key mask, pair
 bias shared over S, N a multiple of the tiles).
 
 This host's Triton and its bundled ptxas compile; the GPU machine's (Triton 3.6 in
-these sessions) may schedule and allocate differently. So the counts compare two
-versions of a kernel under one compiler; they do not predict the GPU's timing
-(docs/benchmarks.md, session 14: a change with 5% more float instructions here ran
-20-38% slower on the H200; session 20: one with 7-8% fewer loop instructions, the
-logit dots started from the bias tile, ran 20-30% slower there too).
+these sessions) may schedule and allocate differently. To compile with that version,
+install it beside this one and put it first on the path:
+
+    pip install --no-deps --target /tmp/triton-3.6 triton==3.6.0
+    PYTHONPATH=/tmp/triton-3.6 python scripts/offline_sass.py fwd --block 128 64
+
+Either way the counts compare two versions of a kernel under one compiler; they do
+not predict the GPU's timing (docs/benchmarks.md, session 14: a change with 5% more
+float instructions here ran 20-38% slower on the H200; session 20: one with 7-8% fewer
+loop instructions, the logit dots started from the bias tile, ran 20-30% slower there
+too, because the bias tile left the software pipeline: look for ``LDG``, ``STS`` and
+``BAR`` appearing in the loop where ``LDGSTS`` was).
 
 The kernel is specialised as a launch at ``--shape`` would specialise it (Triton's
 rules: an integer argument equal to 1 becomes a constant, one divisible by 16 and
