@@ -263,7 +263,7 @@ def build_feature_store(
     except Exception as err:  # OF3's reader fails in many ways on a foreign file
         raise FeatureStoreError(
             f"{dataset_cache_file}: not an OF3 training dataset cache "
-            f"({type(err).__name__}: {str(err) or 'unexpected end of file'})"
+            f"({type(err).__name__}{f': {err}' if str(err) else ''})"
         ) from err
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
