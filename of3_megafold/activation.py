@@ -152,13 +152,26 @@ _CORE_PATCHES = (
 )
 
 
+def _available_names() -> list[str]:
+    """``all`` in ``force``: every extension that can run here. Those that cannot
+    (CUDA graphs on a machine without a GPU) are named in the log, not forced."""
+    names = []
+    for name, extension in registry.EXTENSIONS.items():
+        ok, reason = extension.available()
+        if ok:
+            names.append(name)
+        else:
+            logger.info("force=all leaves out %s: %s", name, reason)
+    return names
+
+
 def _parse_force(force: Iterable[str] | str) -> dict[str, str]:
     if isinstance(force, str):
         force = [f for f in force.split(",") if f.strip()]
     chosen: dict[str, str] = {}
     for entry in force:
         name, _, variant = entry.strip().partition(":")
-        names = list(registry.EXTENSIONS) if name == "all" else [name]
+        names = _available_names() if name == "all" else [name]
         for each in names:
             extension = registry.get(each)
             if variant and variant not in extension.variants:
@@ -178,7 +191,9 @@ def activate(force: Iterable[str] | str = ()) -> None:
     Args:
         force: extension names (``"name"`` or ``"name:variant"``, or ``"all"``) to
             turn on wherever OF3 builds or calls what they replace, whatever the
-            config says. Each must be available here. Replaces any earlier force.
+            config says. Each named one must be available here; ``"all"`` forces
+            every extension that is (the others are named in the log). Replaces
+            any earlier force.
 
     Raises:
         ExtensionUnavailableError: a forced extension cannot run here.

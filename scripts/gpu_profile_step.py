@@ -41,6 +41,7 @@ FLAGS = {
         "memory", "use_evofusion_triangle_multiplication"
     ),
     "smooth_lddt": ("loss", "smooth_lddt_backend"),
+    "rollout_graphs": ("memory", "use_rollout_cuda_graphs"),
 }
 
 

@@ -113,6 +113,9 @@ for spec in "$@"; do
         transition) run "$name" "${limit:-240}" python3 scripts/gpu_check_transition.py $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_sequence_parallel.py
         sp) run "$name" "${limit:-180}" python3 scripts/gpu_check_sequence_parallel.py $extra ;;
+        # shellcheck disable=SC2086  # $extra: options for gpu_check_rollout_graphs.py
+        rollout) run "$name" "${limit:-420}" python3 scripts/gpu_check_rollout_graphs.py \
+            "$OUT/$name.json" $extra ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 scripts/gpu_check_smooth_lddt.py ;;
         # shellcheck disable=SC2086
         profile-step) run profile-step "${limit:-480}" python3 scripts/gpu_profile_step.py \

@@ -8,6 +8,7 @@ from of3_megafold.extensions import (
     evoflash_attention,
     evofusion_transitions,
     evofusion_triangle_multiplication,
+    rollout_graphs,
     sequence_parallel,
     smooth_lddt,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "evoflash_attention",
     "evofusion_transitions",
     "evofusion_triangle_multiplication",
+    "rollout_graphs",
     "sequence_parallel",
     "smooth_lddt",
 ]

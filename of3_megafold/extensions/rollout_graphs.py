@@ -1,0 +1,232 @@
+"""Rollout graphs: OF3's diffusion rollout replays its token transformer from a CUDA graph.
+
+Keys: ``model_update.custom.settings.memory.{train,eval}.use_rollout_cuda_graphs``
+(default false).
+
+OF3's rollout (``SampleDiffusion._sample_rollout``: the 20-step mini-rollout of every
+training step, the 200-step rollout of validation and inference) calls the diffusion
+module once per step on the same trunk outputs. Most of a call is the token
+``DiffusionTransformer`` (24 blocks), whose GPU work at a few samples is small: the
+call waits for the host, which issues some 60 kernels per block through OF3's Python.
+On one H200 the mini-rollout took 1.9 s of host time of a 384-token training step
+whose GPU kernels took 2.5 s in all (docs/benchmarks.md, "Full training step").
+
+With a key on, within one rollout the token transformer's first call with a given
+signature (shapes, strides, dtypes, flags, autocast state) runs as OF3's (kernels
+compile and tune there); the second is captured into a CUDA graph on a side stream,
+its tensor inputs copied into static buffers first; every later call copies its
+inputs into those buffers and replays the graph. The graph holds the kernels the
+captured call launched, in its order, on the same weights, so a replay computes what
+OF3's call would (the GPU tests compare a training step's losses and gradients with
+the key on and off). Graphs and their memory pools live for one rollout: weights
+change between training steps and token counts between samples.
+
+Only calls without autograd on CUDA tensors are graphed; anything else, and every
+``DiffusionTransformer`` other than the diffusion module's token transformer (the
+atom transformers, which prepare their blocks with host-synchronising index ops),
+runs as OF3's. A capture that fails (an op in the transformer that needs the host,
+e.g. a patched module added by the user) is logged once and that rollout runs OF3's
+calls from then on.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from of3_megafold import registry
+
+logger = logging.getLogger(__name__)
+
+NAME = "rollout_graphs"
+FLAG = "use_rollout_cuda_graphs"
+
+KEYS = registry.memory_flag_keys(
+    FLAG,
+    "replay the diffusion rollout's token transformer from a CUDA graph captured "
+    "once per rollout (host time; same kernels, same results). Needs CUDA.",
+)
+
+_ACTIVE: contextvars.ContextVar[_RolloutGraphs | None] = contextvars.ContextVar(
+    "of3_megafold_rollout_graphs", default=None
+)
+
+
+def _cuda_graphs() -> registry.Check:
+    if not torch.cuda.is_available():
+        return False, (
+            "no CUDA device; CUDA graphs need an NVIDIA GPU (without the key the "
+            "rollout runs as OF3's)"
+        )
+    return True, f"CUDA: {torch.cuda.get_device_name()}"
+
+
+@dataclass
+class GraphedCall:
+    """One captured call: its graph, its static input buffers (by argument name) and
+    the output tensor the graph writes."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: torch.Tensor
+
+    def replay(self, arguments: dict[str, Any]) -> torch.Tensor:
+        """Copy the tensor ``arguments`` in, replay, return a copy of the output (the
+        graph overwrites its own at the next replay)."""
+        for name, static in self.inputs.items():
+            static.copy_(arguments[name])
+        self.graph.replay()
+        return self.output.clone()
+
+
+@functools.cache
+def _log_capture_failure(error: str) -> None:
+    logger.warning(
+        "%s: capturing the rollout's token transformer failed (%s); this rollout "
+        "runs OF3's calls", NAME, error,
+    )
+
+
+def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall | None:
+    """``original(module, **arguments)`` captured into a CUDA graph on a side stream,
+    its tensor arguments first copied into static buffers (which hold this call's
+    values, so replaying once gives its result). ``None`` if capture fails."""
+    inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            # thread_local: other threads (data loaders) may keep using CUDA
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                output = original(module, **{**arguments, **inputs})
+            finally:
+                graph.capture_end()
+    except RuntimeError as error:
+        _log_capture_failure(str(error).splitlines()[0])
+        return None
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+    if not isinstance(output, torch.Tensor):
+        return None
+    return GraphedCall(graph, inputs, output)
+
+
+def _signature(arguments: dict[str, Any]) -> tuple:
+    """What a graph is specific to: every tensor argument's shape, strides, dtype
+    and device, every other argument's value, and the autocast state."""
+    parts = []
+    for name, value in sorted(arguments.items()):
+        if isinstance(value, torch.Tensor):
+            value = (tuple(value.shape), value.stride(), value.dtype, value.device)
+        parts.append((name, value))
+    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    return tuple(parts), autocast
+
+
+class _RolloutGraphs:
+    """The graphs of one rollout of one token transformer, by call signature."""
+
+    def __init__(self, transformer: Any):
+        self.transformer = transformer
+        self.seen: set[tuple] = set()
+        self.graphs: dict[tuple, GraphedCall] = {}
+        self.failed = False
+
+    def call(self, original, module: Any, arguments: dict[str, Any]) -> torch.Tensor:
+        key = _signature(arguments)
+        graphed = self.graphs.get(key)
+        if graphed is not None:
+            return graphed.replay(arguments)
+        if self.failed or key not in self.seen:  # OF3's call: compiles, tunes
+            self.seen.add(key)
+            return original(module, **arguments)
+        graphed = capture(original, module, arguments)
+        if graphed is None:
+            self.failed = True
+            return original(module, **arguments)
+        self.graphs[key] = graphed
+        graphed.graph.replay()  # the static inputs hold this call's values
+        return graphed.output.clone()
+
+    def close(self) -> None:
+        self.graphs.clear()
+
+
+def _enabled(module: Any) -> bool:
+    return registry.module_enabled(module, NAME, FLAG)
+
+
+def _patch_sample_rollout(original):
+    def _sample_rollout(self, *args, **kwargs):
+        transformer = self.diffusion_module.diffusion_transformer
+        if torch.is_grad_enabled() or not _enabled(transformer):
+            return original(self, *args, **kwargs)
+        session = _RolloutGraphs(transformer)
+        token = _ACTIVE.set(session)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+            session.close()
+
+    _sample_rollout.__wrapped__ = original
+    return _sample_rollout
+
+
+def graphable(a: torch.Tensor) -> bool:
+    """Whether a call with token activations ``a`` can be graphed (CUDA tensors)."""
+    return a.is_cuda
+
+
+def _patch_transformer_forward(original):
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        session = _ACTIVE.get()
+        if session is None or session.transformer is not self or torch.is_grad_enabled():
+            return original(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs)
+        call.apply_defaults()
+        arguments = {k: v for k, v in call.arguments.items() if k != "self"}
+        if not graphable(arguments["a"]):
+            registry.log_device_fallback(NAME, arguments["a"].device.type)
+            return original(self, *args, **kwargs)
+        return session.call(original, self, arguments)
+
+    forward.__doc__ = original.__doc__
+    forward.__wrapped__ = original
+    return forward
+
+
+EXTENSION = registry.register(
+    registry.Extension(
+        name=NAME,
+        summary="The diffusion rollout's token transformer replayed from a CUDA "
+        "graph (host time of every training step's mini-rollout and of inference)",
+        keys=KEYS,
+        requested=registry.any_key_on(KEYS),
+        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
+        device_check=_cuda_graphs,
+        patches=(
+            registry.Patch(
+                "openfold3.core.model.structure.diffusion_module:"
+                "SampleDiffusion._sample_rollout",
+                _patch_sample_rollout,
+            ),
+            registry.Patch(
+                "openfold3.core.model.layers.diffusion_transformer:"
+                "DiffusionTransformer.forward",
+                _patch_transformer_forward,
+            ),
+        ),
+        docs="docs/extensions/rollout_graphs.md",
+    )
+)

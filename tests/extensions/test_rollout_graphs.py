@@ -1,0 +1,156 @@
+"""Rollout graphs: the token transformer of OF3's rollout replayed from a CUDA graph.
+
+On the CPU the graph is stood in for by a recording of the call that re-runs it on
+its static input buffers at every replay: that checks the session logic (which call
+runs as OF3's, which is captured, which replays, what the buffers receive) inside a
+real OF3 training step. The GPU tests capture real graphs and compare a training
+step with the key on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from of3_megafold import activate, registry
+from of3_megafold.errors import ExtensionUnavailableError
+
+NAME = "rollout_graphs"
+FLAG = "use_rollout_cuda_graphs"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _harness(device: str, on: bool, steps: int = 6):
+    from of3_megafold.bench.step import TrainingStepHarness
+
+    update = {
+        "architecture": {"shared": {"diffusion": {"no_mini_rollout_steps": steps}}},
+        "settings": {"memory": {"train": {FLAG: on}}},
+    }
+    return TrainingStepHarness("tiny", "stock", device, num_recycles=1, update=update)
+
+
+def _step(harness, n_token: int = 24):
+    from of3_megafold.bench.step import random_training_batch
+
+    return harness.step(random_training_batch(n_token, 8, 2, harness.device))
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on the CPU: a replay calls the function again on
+    the static input buffers (what a graph computes) and writes the output buffer."""
+
+    def __init__(self, original, module, arguments, log):
+        self.original, self.module, self.arguments, self.log = (
+            original, module, arguments, log)
+        self.graphed = None
+
+    def replay(self):
+        self.log.append("replay")
+        call = {**self.arguments, **self.graphed.inputs}
+        out = self.original(self.module, **call)
+        self.graphed.output.resize_(out.shape).copy_(out)
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch):
+    """Graph every CPU call of the token transformer through :class:`_FakeGraph`;
+    the value lists what happened, call by call."""
+    from of3_megafold.extensions import rollout_graphs
+
+    log: list[str] = []
+    original_call = rollout_graphs._RolloutGraphs.call
+
+    def call(self, original, module, arguments):
+        log.append("call")
+        return original_call(self, original, module, arguments)
+
+    def capture(original, module, arguments):
+        log.append("capture")
+        graph = _FakeGraph(original, module, arguments, log)
+        inputs = {k: v.clone() for k, v in arguments.items()
+                  if isinstance(v, torch.Tensor)}
+        graph.graphed = rollout_graphs.GraphedCall(graph, inputs, torch.empty(0))
+        return graph.graphed
+
+    monkeypatch.setattr(registry.get(NAME), "device_check", lambda: (True, "test"))
+    monkeypatch.setattr(rollout_graphs, "graphable", lambda a: True)
+    monkeypatch.setattr(rollout_graphs, "capture", capture)
+    monkeypatch.setattr(rollout_graphs._RolloutGraphs, "call", call)
+    return log
+
+
+def test_keys_default_to_stock(kit):
+    from openfold3.projects.of3_all_atom.config.model_config import model_config
+
+    for mode in ("train", "eval"):
+        assert model_config.settings.memory[mode][FLAG] is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machine")
+def test_unavailable_without_cuda_names_the_fix():
+    ok, reason = registry.get(NAME).available()
+    assert not ok and "CUDA" in reason
+    with pytest.raises(ExtensionUnavailableError, match="CUDA graphs need"):
+        activate(force=[NAME])
+    activate(force="all")  # "all" leaves out what cannot run here
+    assert registry.forced_variant(NAME) is None
+    activate()
+
+
+def test_session_captures_the_second_call_and_replays_the_rest(kit, recorded_graphs):
+    stock = _step(_harness("cpu", on=False))
+    assert recorded_graphs == []  # key off: never reached
+    kit_ = _step(_harness("cpu", on=True))
+    # 6 rollout steps: OF3's call, the capture (then its replay), 4 replays
+    assert recorded_graphs == (
+        ["call", "call", "capture", "replay"] + ["call", "replay"] * 4
+    )
+    assert kit_.loss == stock.loss
+    assert kit_.grad_norm == stock.grad_norm
+
+
+def test_failed_capture_runs_of3_for_the_rest_of_the_rollout(
+    kit, recorded_graphs, monkeypatch
+):
+    from of3_megafold.extensions import rollout_graphs
+
+    monkeypatch.setattr(rollout_graphs, "capture", lambda *a: recorded_graphs.append(
+        "capture") or None)
+    stock = _step(_harness("cpu", on=False))
+    kit_ = _step(_harness("cpu", on=True))
+    assert recorded_graphs == ["call", "call", "capture"] + ["call"] * 4
+    assert kit_.loss == stock.loss
+
+
+@gpu
+def test_gpu_step_equals_stock(kit):
+    """A training step with real graphs: the same losses and gradient norm as with
+    the key off (the same kernels replayed)."""
+    stock = _step(_harness("cuda", on=False))
+    kit_ = _step(_harness("cuda", on=True))
+    for name, value in stock.loss.items():
+        assert kit_.loss[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    assert kit_.grad_norm == pytest.approx(stock.grad_norm, rel=1e-6)
+
+
+@gpu
+def test_gpu_host_sync_in_the_transformer_falls_back(kit, monkeypatch, caplog):
+    """An op that needs the host inside the transformer breaks capture: the rollout
+    then runs OF3's calls, with the same result, and says so once."""
+    from openfold3.core.model.layers import diffusion_transformer
+
+    block = diffusion_transformer.DiffusionTransformerBlock.forward
+
+    def syncing(self, a, *args, **kwargs):
+        float(a.sum())  # host sync: not allowed while capturing
+        return block(self, a, *args, **kwargs)
+
+    stock = _step(_harness("cuda", on=False))
+    monkeypatch.setattr(diffusion_transformer.DiffusionTransformerBlock, "forward",
+                        syncing)
+    caplog.set_level("WARNING", logger="of3_megafold.extensions.rollout_graphs")
+    kit_ = _step(_harness("cuda", on=True))
+    for name, value in stock.loss.items():
+        assert kit_.loss[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    assert any("capturing" in r.getMessage() for r in caplog.records)
