@@ -6,8 +6,10 @@ Builds the full OF3 model once with every single-process kit extension on (the s
 harness's ``kit`` provider) and, per token count, runs one warm-up step with
 ``use_rollout_cuda_graphs`` off and one with it on, then ``--repeats`` rounds of one
 step each, interleaved (toggling the key on the live config, which the extension
-reads at call time). Prints and writes per variant the step times, peak memory,
-losses and gradient norm, and how far the key-on losses are from the key-off ones.
+reads at call time). Prints and writes per variant the step times, the rollout's
+own time (OF3's ``SampleDiffusion.forward`` between two synchronisations, inside
+the step), peak memory, losses and gradient norm, and how far the key-on losses are
+from the key-off ones.
 """
 
 from __future__ import annotations
@@ -29,9 +31,32 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokens", default="384,768")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--full-rollout", type=int, default=0, metavar="STEPS",
+                        help="also time a rollout of STEPS steps and 5 samples (as "
+                        "validation and inference run it) on the step's trunk "
+                        "outputs, key off and on, twice each")
     args = parser.parse_args()
 
+    import torch
+    from openfold3.core.model.structure.diffusion_module import SampleDiffusion
+
     from of3_megafold.bench.step import TrainingStepHarness, random_training_batch
+
+    rollout_s: list[float] = []
+    sample = SampleDiffusion.forward
+
+    last_call: list = []
+
+    def timed_sample(self, *a, **k):  # the rollout, between two synchronisations
+        last_call[:] = [self, a, k]
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        out = sample(self, *a, **k)
+        torch.cuda.synchronize()
+        rollout_s.append(time.perf_counter() - began)
+        return out
+
+    SampleDiffusion.forward = timed_sample
 
     started = time.perf_counter()
     harness = TrainingStepHarness("full", "kit", "cuda")
@@ -40,6 +65,7 @@ def main() -> int:
     for n_token in (int(t) for t in args.tokens.split(",")):
         batch = random_training_batch(n_token, 1024, 4, "cuda")
         results = {False: [], True: []}
+        rollouts = {False: [], True: []}
         for on in (False, True):  # warm-up: compiles, tunes
             harness.config.settings.memory.train[FLAG] = on
             took = harness.step(batch).ms / 1e3
@@ -48,6 +74,7 @@ def main() -> int:
             for on in (False, True):
                 harness.config.settings.memory.train[FLAG] = on
                 results[on].append(harness.step(batch))
+                rollouts[on].append(rollout_s[-1])
         off, on = results[False], results[True]
         loss_diff = max(
             abs(r.loss[k] - o.loss[k]) / max(abs(o.loss[k]), 1e-12)
@@ -57,6 +84,8 @@ def main() -> int:
             "tokens": n_token,
             "off_s": [r.ms / 1e3 for r in off],
             "on_s": [r.ms / 1e3 for r in on],
+            "off_rollout_s": rollouts[False],
+            "on_rollout_s": rollouts[True],
             "off_peak_gib": max(r.peak_gib for r in off),
             "on_peak_gib": max(r.peak_gib for r in on),
             "off_loss": off[0].loss["loss"],
@@ -70,16 +99,45 @@ def main() -> int:
         med_off = statistics.median(row["off_s"])
         med_on = statistics.median(row["on_s"])
         print(
-            f"{n_token} tokens: off {med_off:.2f} s ({row['off_s']}), on {med_on:.2f} s "
-            f"({row['on_s']}), {med_off / med_on:.2f}x; peak {row['off_peak_gib']:.1f} "
-            f"-> {row['on_peak_gib']:.1f} GiB; loss {row['off_loss']:.6f} / "
+            f"{n_token} tokens: off {med_off:.2f} s ({row['off_s']}), "
+            f"on {med_on:.2f} s ({row['on_s']}), {med_off / med_on:.2f}x; rollout "
+            f"{statistics.median(row['off_rollout_s']):.3f} -> "
+            f"{statistics.median(row['on_rollout_s']):.3f} s; peak "
+            f"{row['off_peak_gib']:.1f} -> {row['on_peak_gib']:.1f} GiB; "
+            f"loss {row['off_loss']:.6f} / "
             f"{row['on_loss']:.6f} (max rel diff {loss_diff:.2e}); grad norm "
             f"{row['off_grad_norm']:.6f} / {row['on_grad_norm']:.6f}",
             flush=True,
         )
+        if args.full_rollout:
+            row["full_rollout_s"] = _full_rollout(harness, timed_sample, last_call,
+                                                  rollout_s, args.full_rollout)
+            print(f"{n_token} tokens, {args.full_rollout} steps x 5 samples: "
+                  f"{row['full_rollout_s']}", flush=True)
         args.out.write_text(json.dumps(rows, indent=1))
         del batch
     return 0
+
+
+def _full_rollout(harness, timed_sample, last_call, rollout_s, steps: int) -> dict:
+    """Seconds per rollout of ``steps`` steps and 5 samples, key off and on."""
+    import torch
+    from openfold3.core.model.structure.diffusion_module import create_noise_schedule
+
+    module, a, k = last_call
+    schedule = create_noise_schedule(
+        no_rollout_steps=steps, **harness.config.architecture.noise_schedule,
+        dtype=torch.float32, device="cuda",
+    )
+    k = {**k, "noise_schedule": schedule, "no_rollout_samples": 5}
+    times = {"off": [], "on": []}
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float32):
+        for _ in range(2):
+            for on in (False, True):
+                harness.config.settings.memory.train[FLAG] = on
+                timed_sample(module, *a, **k)
+                times["on" if on else "off"].append(rollout_s[-1])
+    return times
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Rollout graphs: OF3's diffusion rollout replays its token transformer from a CUDA graph.
+"""Rollout graphs: OF3's diffusion rollout replays its token transformer from a
+CUDA graph.
 
 Keys: ``model_update.custom.settings.memory.{train,eval}.use_rollout_cuda_graphs``
 (default false).
@@ -25,24 +26,22 @@ Only calls without autograd on CUDA tensors are graphed; anything else, and ever
 ``DiffusionTransformer`` other than the diffusion module's token transformer (the
 atom transformers, which prepare their blocks with host-synchronising index ops),
 runs as OF3's. A capture that fails (an op in the transformer that needs the host,
-e.g. a patched module added by the user) is logged once and that rollout runs OF3's
-calls from then on.
+e.g. a module the user patched in) raises :class:`RolloutCaptureError` naming the
+key: after a failed capture the process's CUDA generator is left in capture mode
+(the next ``torch.randn`` on the GPU fails, seen on the H200), so running on would
+not be safe.
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from of3_megafold import registry
-
-logger = logging.getLogger(__name__)
 
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
@@ -85,18 +84,17 @@ class GraphedCall:
         return self.output.clone()
 
 
-@functools.cache
-def _log_capture_failure(error: str) -> None:
-    logger.warning(
-        "%s: capturing the rollout's token transformer failed (%s); this rollout "
-        "runs OF3's calls", NAME, error,
-    )
+class RolloutCaptureError(RuntimeError):
+    """The token transformer could not be captured into a CUDA graph."""
 
 
-def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall | None:
+def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall:
     """``original(module, **arguments)`` captured into a CUDA graph on a side stream,
     its tensor arguments first copied into static buffers (which hold this call's
-    values, so replaying once gives its result). ``None`` if capture fails."""
+    values, so replaying once gives its result).
+
+    Raises:
+        RolloutCaptureError: capture failed (with the CUDA error as its cause)."""
     inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -110,12 +108,14 @@ def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall | N
             finally:
                 graph.capture_end()
     except RuntimeError as error:
-        _log_capture_failure(str(error).splitlines()[0])
-        return None
+        raise RolloutCaptureError(
+            f"{NAME}: capturing the rollout's token transformer into a CUDA graph "
+            f"failed ({str(error).splitlines()[0]}); an op in it needs the host. "
+            "The process's CUDA state is not reliable after a failed capture: set "
+            f"model_update.custom.settings.memory.<train|eval>.{FLAG}: false"
+        ) from error
     finally:
         torch.cuda.current_stream().wait_stream(stream)
-    if not isinstance(output, torch.Tensor):
-        return None
     return GraphedCall(graph, inputs, output)
 
 
@@ -138,20 +138,16 @@ class _RolloutGraphs:
         self.transformer = transformer
         self.seen: set[tuple] = set()
         self.graphs: dict[tuple, GraphedCall] = {}
-        self.failed = False
 
     def call(self, original, module: Any, arguments: dict[str, Any]) -> torch.Tensor:
         key = _signature(arguments)
         graphed = self.graphs.get(key)
         if graphed is not None:
             return graphed.replay(arguments)
-        if self.failed or key not in self.seen:  # OF3's call: compiles, tunes
+        if key not in self.seen:  # OF3's call: compiles, tunes
             self.seen.add(key)
             return original(module, **arguments)
         graphed = capture(original, module, arguments)
-        if graphed is None:
-            self.failed = True
-            return original(module, **arguments)
         self.graphs[key] = graphed
         graphed.graph.replay()  # the static inputs hold this call's values
         return graphed.output.clone()
@@ -191,7 +187,8 @@ def _patch_transformer_forward(original):
 
     def forward(self, *args, **kwargs):
         session = _ACTIVE.get()
-        if session is None or session.transformer is not self or torch.is_grad_enabled():
+        if (session is None or session.transformer is not self
+                or torch.is_grad_enabled()):
             return original(self, *args, **kwargs)
         call = signature.bind(self, *args, **kwargs)
         call.apply_defaults()
