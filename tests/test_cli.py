@@ -20,6 +20,7 @@ def test_info_lists_every_extension_and_its_keys():
         "evoflash_attention",
         "evofusion_transitions",
         "evofusion_triangle_multiplication",
+        "rollout_graphs",
         "precomputed_features",
     ):
         assert name in result.output
