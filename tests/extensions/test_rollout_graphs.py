@@ -110,6 +110,28 @@ def test_session_captures_the_second_call_and_replays_the_rest(kit, recorded_gra
     assert kit_.grad_norm == stock.grad_norm
 
 
+def test_a_denoiser_without_a_token_transformer_runs_as_of3s(kit):
+    """OF3's sampler takes any denoiser module (its own tests pass stand-ins)."""
+    from openfold3.core.model.structure.diffusion_module import SampleDiffusion
+
+    class Denoiser(torch.nn.Module):
+        def forward(self, batch, xl_noisy, **kwargs):
+            return 0.5 * xl_noisy
+
+    sampler = SampleDiffusion(gamma_0=0.8, gamma_min=1.0, noise_scale=1.0,
+                              step_scale=1.5, diffusion_module=Denoiser())
+    atom_mask = torch.ones(1, 5)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        xl = sampler._sample_rollout(
+            batch={"token_mask": torch.ones(1, 3)}, xl=torch.randn(1, 1, 5, 3),
+            atom_mask=atom_mask, si_input=None, si_trunk=None, zij_trunk=None,
+            noise_schedule=torch.linspace(2.0, 0.1, 4), start_step=0,
+            use_conditioning=True,
+        )
+    assert xl.shape == (1, 1, 5, 3) and torch.isfinite(xl).all()
+
+
 def test_failed_capture_says_which_key_to_turn_off(kit, recorded_graphs, monkeypatch):
     from of3_megafold.extensions import rollout_graphs
 
