@@ -15,6 +15,7 @@ from the key-off ones.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -37,26 +38,12 @@ def main() -> int:
                         "outputs, key off and on, twice each")
     args = parser.parse_args()
 
-    import torch
     from openfold3.core.model.structure.diffusion_module import SampleDiffusion
 
     from of3_megafold.bench.step import TrainingStepHarness, random_training_batch
 
-    rollout_s: list[float] = []
-    sample = SampleDiffusion.forward
-
-    last_call: list = []
-
-    def timed_sample(self, *a, **k):  # the rollout, between two synchronisations
-        last_call[:] = [self, a, k]
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        out = sample(self, *a, **k)
-        torch.cuda.synchronize()
-        rollout_s.append(time.perf_counter() - began)
-        return out
-
-    SampleDiffusion.forward = timed_sample
+    rollout = _RolloutTimer(SampleDiffusion.forward)
+    SampleDiffusion.forward = rollout
 
     started = time.perf_counter()
     harness = TrainingStepHarness("full", "kit", "cuda")
@@ -67,14 +54,14 @@ def main() -> int:
         results = {False: [], True: []}
         rollouts = {False: [], True: []}
         for on in (False, True):  # warm-up: compiles, tunes
-            harness.config.settings.memory.train[FLAG] = on
+            _set_key(harness, on)
             took = harness.step(batch).ms / 1e3
             print(f"{n_token} tokens, graphs {on}: warm-up {took:.1f} s", flush=True)
         for _ in range(args.repeats):
             for on in (False, True):
-                harness.config.settings.memory.train[FLAG] = on
+                _set_key(harness, on)
                 results[on].append(harness.step(batch))
-                rollouts[on].append(rollout_s[-1])
+                rollouts[on].append(rollout.seconds[-1])
         off, on = results[False], results[True]
         loss_diff = max(
             abs(r.loss[k] - o.loss[k]) / max(abs(o.loss[k]), 1e-12)
@@ -110,8 +97,7 @@ def main() -> int:
             flush=True,
         )
         if args.full_rollout:
-            row["full_rollout_s"] = _full_rollout(harness, timed_sample, last_call,
-                                                  rollout_s, args.full_rollout)
+            row["full_rollout_s"] = _full_rollout(harness, rollout, args.full_rollout)
             print(f"{n_token} tokens, {args.full_rollout} steps x 5 samples: "
                   f"{row['full_rollout_s']}", flush=True)
         args.out.write_text(json.dumps(rows, indent=1))
@@ -119,12 +105,41 @@ def main() -> int:
     return 0
 
 
-def _full_rollout(harness, timed_sample, last_call, rollout_s, steps: int) -> dict:
-    """Seconds per rollout of ``steps`` steps and 5 samples, key off and on."""
+class _RolloutTimer:
+    """Stands in for ``SampleDiffusion.forward``: runs it between two
+    synchronisations, keeping its seconds and its last call's arguments."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.seconds: list[float] = []
+        self.last_call: tuple = ()
+
+    def __get__(self, module, owner=None):  # a method of the module it replaces in
+        return self if module is None else functools.partial(self, module)
+
+    def __call__(self, module, *args, **kwargs):
+        import torch
+
+        self.last_call = (module, args, kwargs)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        out = self.forward(module, *args, **kwargs)
+        torch.cuda.synchronize()
+        self.seconds.append(time.perf_counter() - began)
+        return out
+
+
+def _set_key(harness, on: bool) -> None:
+    harness.config.settings.memory.train[FLAG] = on
+
+
+def _full_rollout(harness, rollout: _RolloutTimer, steps: int) -> dict:
+    """Seconds per rollout of ``steps`` steps and 5 samples, key off and on, on the
+    last timed rollout's inputs."""
     import torch
     from openfold3.core.model.structure.diffusion_module import create_noise_schedule
 
-    module, a, k = last_call
+    module, a, k = rollout.last_call
     schedule = create_noise_schedule(
         no_rollout_steps=steps, **harness.config.architecture.noise_schedule,
         dtype=torch.float32, device="cuda",
@@ -134,9 +149,9 @@ def _full_rollout(harness, timed_sample, last_call, rollout_s, steps: int) -> di
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float32):
         for _ in range(2):
             for on in (False, True):
-                harness.config.settings.memory.train[FLAG] = on
-                timed_sample(module, *a, **k)
-                times["on" if on else "off"].append(rollout_s[-1])
+                _set_key(harness, on)
+                rollout(module, *a, **k)
+                times["on" if on else "off"].append(rollout.seconds[-1])
     return times
 
 
