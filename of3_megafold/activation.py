@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +88,14 @@ def _install_patch(patch: registry.Patch) -> None:
         return
     own = attr in vars(owner)
     original = getattr(owner, attr)
-    setattr(owner, attr, patch.make(original))
+    replacement = patch.make(original)
+    if isinstance(replacement, types.FunctionType):
+        # OF3's docstring unless the replacement has its own; the original reachable
+        # as ``__wrapped__`` (inspect.signature, tests calling OF3's path directly)
+        if replacement.__doc__ is None:
+            replacement.__doc__ = original.__doc__
+        replacement.__wrapped__ = original
+    setattr(owner, attr, replacement)
     _STATE.patches.append((owner, attr, original, own))
 
 

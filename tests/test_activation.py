@@ -137,6 +137,25 @@ def test_patch_is_inert_until_forced(selftest):
     assert selftest_target.compute(1.0) == 2.0
 
 
+def test_a_patched_function_keeps_of3s_docstring_and_reaches_the_original(selftest):
+    original = selftest_target.compute.__wrapped__
+    assert original(1.0) == 2.0 and original is not selftest_target.compute
+    assert selftest_target.compute.__doc__ == "x + 1"
+    deactivate()
+    assert not hasattr(selftest_target.compute, "__wrapped__")
+
+
+def test_force_all_leaves_out_what_is_unavailable(selftest):
+    state, _ = selftest
+    state["available"] = False
+    activate(force="all")
+    assert registry.forced_variant("selftest") is None
+    state["available"] = True
+    activate(force="all")
+    assert registry.forced_variant("selftest") == "x10"
+    activate()
+
+
 def test_force_rejects_unknown_names_and_unavailable(selftest):
     state, _ = selftest
     with pytest.raises(KitConfigError, match="known extensions"):

@@ -212,8 +212,6 @@ def _patch_attention_forward(original):
         biases = call.arguments.get("biases") or []
         return evoflash_forward(self, q_x, kv_x, biases, high_precision)
 
-    forward.__doc__ = original.__doc__
-    forward.__wrapped__ = original
     return forward
 
 

@@ -102,7 +102,6 @@ def _patch_swiglu_transition(original):
             eps=norm.eps,
         )
 
-    _transition.__wrapped__ = original
     return _transition
 
 
@@ -124,7 +123,6 @@ def _patch_conditioned_transition(original):
         )
         return self.sigmoid(self.linear_g(s)) * b * mask
 
-    _transition.__wrapped__ = original
     return _transition
 
 
@@ -139,8 +137,6 @@ def _patch_layer_norm(original):
                 registry.log_device_fallback(NAME, x.device.type)
         return original(self, x)
 
-    forward.__doc__ = original.__doc__
-    forward.__wrapped__ = original
     return forward
 
 

@@ -79,8 +79,6 @@ def _patch_forward(original):
             outgoing=self._outgoing, eps=ln_in.eps,
         )
 
-    forward.__doc__ = original.__doc__
-    forward.__wrapped__ = original
     return forward
 
 

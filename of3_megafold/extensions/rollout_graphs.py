@@ -173,7 +173,6 @@ def _patch_sample_rollout(original):
             _ACTIVE.reset(token)
             session.close()
 
-    _sample_rollout.__wrapped__ = original
     return _sample_rollout
 
 
@@ -198,8 +197,6 @@ def _patch_transformer_forward(original):
             return original(self, *args, **kwargs)
         return session.call(original, self, arguments)
 
-    forward.__doc__ = original.__doc__
-    forward.__wrapped__ = original
     return forward
 
 

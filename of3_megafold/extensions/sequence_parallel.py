@@ -110,7 +110,6 @@ def _patch_model_init(original):
         for module in self.modules():
             object.__setattr__(module, PLAN_ATTR, plan)
 
-    __init__.__wrapped__ = original
     return __init__
 
 
@@ -152,8 +151,6 @@ def _patch_pairformer_forward(original):
             **arguments,
         )
 
-    forward.__doc__ = original.__doc__
-    forward.__wrapped__ = original
     return forward
 
 
@@ -185,7 +182,6 @@ def _patch_model_forward(original):
         with _seeded_rng(shared_seed(group, device), device, python=True):
             return original(self, batch)
 
-    forward.__wrapped__ = original
     return forward
 
 
@@ -214,7 +210,6 @@ def _patch_train_diffusion(original):
         _STATE.diffusion_split = True
         return output
 
-    _train_diffusion.__wrapped__ = original
     return _train_diffusion
 
 
@@ -240,7 +235,6 @@ def _patch_loss(original):
         cum_loss = cum_loss + (losses["loss"] - cum_loss.detach())
         return cum_loss, losses
 
-    loss.__wrapped__ = original
     return loss
 
 
@@ -268,7 +262,6 @@ def _patch_train_dataloader(original):
         finally:
             object.__delattr__(self, DP_VIEW_ATTR)
 
-    train_dataloader.__wrapped__ = original
     return train_dataloader
 
 

@@ -175,8 +175,6 @@ def _patch_smooth_lddt_loss(original):
             registry.log_device_fallback(NAME, x.device.type)  # CPU tensors, GPU box
         return original(x=x, batch=batch, loss_token_mask=loss_token_mask, eps=eps)
 
-    smooth_lddt_loss.__doc__ = original.__doc__
-    smooth_lddt_loss.__wrapped__ = original
     return smooth_lddt_loss
 
 
@@ -188,8 +186,6 @@ def _patch_bond_loss(original):
             return bonded_pair_bond_loss(x, batch, eps)
         return original(x=x, batch=batch, eps=eps)
 
-    bond_loss.__doc__ = original.__doc__
-    bond_loss.__wrapped__ = original
     return bond_loss
 
 
@@ -203,8 +199,6 @@ def _patch_diffusion_loss(original):
         finally:
             _CURRENT.reset(token)
 
-    diffusion_loss.__doc__ = original.__doc__
-    diffusion_loss.__wrapped__ = original
     return diffusion_loss
 
 
@@ -222,7 +216,6 @@ def _patch_run_low_mem_loss_fn(original):
             return loss_fn(x=x, **kwargs)
         return original(loss_fn, x, kwargs, chunk_size)
 
-    run_low_mem_loss_fn.__wrapped__ = original
     return run_low_mem_loss_fn
 
 

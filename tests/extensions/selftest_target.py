@@ -2,4 +2,5 @@
 
 
 def compute(x: float) -> float:
+    """x + 1"""
     return x + 1.0
