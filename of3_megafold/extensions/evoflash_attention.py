@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -91,31 +90,45 @@ def _projections(attention: Any) -> list[Any]:
     return linears + ([attention.linear_g] if attention.linear_g is not None else [])
 
 
-def packed_projection(attention: Any, x: torch.Tensor) -> torch.Tensor | None:
-    """q, k, v (and the gate's pre-activation) of self-attention as one GEMM.
-
-    The projections' weights (and biases, zeros where one has none) are
-    concatenated and run through OF3's own ``Linear.forward``, so the dtype rules
-    (bf16 inputs without autocast, autocast otherwise) are OF3's. The weight
-    gradients reach each ``Linear`` through the concatenation.
+def stacked_projection(attention: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The q, k, v (and, with gating, gate) projections' weights stacked per head.
 
     Returns:
-        ``[*, N, P * H * c]`` (``P`` = 3, or 4 with gating), or ``None`` where OF3
+        ``weight [P, H, c, C]`` and ``bias [P, H, c]`` (zeros where a projection has
+        none; ``None`` when none has one), with ``P`` = 3, or 4 with gating; the
+        weight gradients reach each ``Linear`` through the stack. ``None`` where OF3
         computes a projection at a fixed precision of its own (``Linear.precision``).
     """
     linears = _projections(attention)
     if any(getattr(linear, "precision", None) is not None for linear in linears):
         return None
-    weight = torch.cat([linear.weight for linear in linears])
+    heads, c = attention.no_heads, attention.c_hidden
+    weight = torch.stack([linear.weight for linear in linears])
     bias = None
     if any(linear.bias is not None for linear in linears):
-        bias = torch.cat([
+        bias = torch.stack([
             linear.bias if linear.bias is not None
             else linear.weight.new_zeros(linear.out_features)
             for linear in linears
-        ])
-    packed = SimpleNamespace(weight=weight, bias=bias, precision=None)
-    return type(attention.linear_q).forward(packed, x)
+        ]).view(len(linears), heads, c)
+    return weight.view(len(linears), heads, c, -1), bias
+
+
+def projection_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype OF3's ``Linear.forward`` computes a projection of ``x`` in: bf16
+    inputs stay bf16 with autocast off (unless DeepSpeed is initialised); otherwise
+    autocast's dtype where it is on, else ``x``'s."""
+    from openfold3.core.model.primitives import linear as of3_linear
+    from openfold3.core.utils.device_utils import autocast_device_type
+
+    deepspeed_on = (of3_linear.deepspeed_is_installed
+                    and of3_linear.deepspeed.comm.comm.is_initialized())
+    if x.dtype is torch.bfloat16 and not deepspeed_on:
+        return x.dtype
+    device = autocast_device_type(x)
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def evoflash_forward(
@@ -127,12 +140,13 @@ def evoflash_forward(
 ) -> torch.Tensor:
     """OF3's ``Attention.forward`` with the core on the EvoFlash-3D kernel.
 
-    Self-attention (``q_x is kv_x``: every OF3 call site the kernel serves) in the
-    projections' dtype runs its q/k/v/gate projections as one GEMM
-    (:func:`packed_projection`) and the gating in the kernel
-    (:func:`evoflash_attention_packed`): one input-gradient GEMM instead of four
-    plus their sum, no stored sigmoid or ungated output. High-precision calls (the
-    diffusion transformer, the trunk's single attention) and cross inputs keep
+    Self-attention (``q_x is kv_x``: every OF3 call site the kernel serves) outside
+    high precision runs its q/k/v/gate projections inside the kernel's autograd
+    function (:func:`evoflash_attention_projected`, weights from
+    :func:`stacked_projection`, in OF3's projection dtype): one GEMM per chunk of
+    S slices, recomputed in backward instead of stored, one input-gradient GEMM
+    instead of four plus their sum, the gating in the kernel. High-precision calls
+    (the diffusion transformer, the trunk's single attention) and cross inputs keep
     OF3's projections and gating around the kernel: there q, k and v are upcast to
     fp32, and an fp32 copy of a packed projection, gate included, cost more memory
     than it saved (session 13, docs/benchmarks.md).
@@ -148,7 +162,7 @@ def evoflash_forward(
     """
     from of3_megafold.kernels.evoflash import (
         evoflash_attention,
-        evoflash_attention_packed,
+        evoflash_attention_projected,
     )
 
     heads, c = attention.no_heads, attention.c_hidden
@@ -156,11 +170,15 @@ def evoflash_forward(
     n = q_x.shape[-2]
     b = math.prod(lead[:-1])
     mask_bias, pair_bias = split_biases(biases, lead)
-    packable = q_x is kv_x and not high_precision
-    packed = packed_projection(attention, q_x) if packable else None
-    if packed is not None:
-        o = evoflash_attention_packed(
-            packed.view(b, lead[-1], n, -1, heads, c),
+    projection = (stacked_projection(attention)
+                  if q_x is kv_x and not high_precision else None)
+    if projection is not None:
+        dtype = projection_dtype(q_x)
+        weight, bias = (t.to(dtype) if t is not None else None for t in projection)
+        o = evoflash_attention_projected(
+            q_x.to(dtype).reshape(b, lead[-1], n, -1),
+            weight,
+            bias,
             mask_bias=mask_bias,
             pair_bias=pair_bias,
             scale=1.0 / math.sqrt(c),

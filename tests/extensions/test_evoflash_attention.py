@@ -59,11 +59,11 @@ def _counted_kernel_calls():
 
 @pytest.fixture
 def kernel_entries(monkeypatch):
-    """Calls of the two kernel entry points: ``{"packed": n, "separate": n}``."""
+    """Calls of the two kernel entry points: ``{"projected": n, "separate": n}``."""
     from of3_megafold.kernels import evoflash
 
-    counts = {"packed": 0, "separate": 0}
-    for name, attr in (("packed", "evoflash_attention_packed"),
+    counts = {"projected": 0, "separate": 0}
+    for name, attr in (("projected", "evoflash_attention_projected"),
                        ("separate", "evoflash_attention")):
         entry = getattr(evoflash, attr)
 
@@ -132,15 +132,15 @@ def test_triangle_attention(kit, interpreted_kernels, kernel_entries, starting, 
     mask = (torch.rand(1, n, n) > 0.2).float()
     mask[0, 1] = 0.0  # a fully masked row: OF3 gives it uniform attention
     _compare(module, {"x": x, "mask": mask}, _force)
-    # self-attention: one packed projection, gated in the kernel
-    assert kernel_entries == {"packed": 1, "separate": 0}
+    # self-attention: the projections inside the kernel's function, gated there
+    assert kernel_entries == {"projected": 1, "separate": 0}
 
 
 @pytest.mark.parametrize("gating", [True, False])
 def test_attention_with_separate_key_input(kit, interpreted_kernels, kernel_entries,
                                            gating):
     """``q_x`` and ``kv_x`` distinct (same length): OF3's separate projections and
-    gating around the kernel; and ungated self-attention on the packed path."""
+    gating around the kernel; and ungated self-attention on the projected path."""
     from openfold3.core.model.primitives.attention import Attention
 
     attention = _randomize(Attention(8, 8, 8, c_hidden=4, no_heads=2,
@@ -158,25 +158,46 @@ def test_attention_with_separate_key_input(kit, interpreted_kernels, kernel_entr
     inputs = {"q_x": torch.randn(1, 3, n, 8), "kv_x": torch.randn(1, 3, n, 8),
               "bias": torch.randn(1, 1, 2, n, n)}
     _compare(Call(same=False), inputs, _force)
-    assert kernel_entries == {"packed": 0, "separate": 1}
+    assert kernel_entries == {"projected": 0, "separate": 1}
     _compare(Call(same=True), inputs, _force)
-    assert kernel_entries == {"packed": 1, "separate": 1}
+    assert kernel_entries == {"projected": 1, "separate": 1}
 
 
-def test_fixed_precision_projection_is_not_packed(kit):
+def test_fixed_precision_projection_is_not_stacked(kit):
     """OF3's ``Linear.precision`` (a projection computed at its own precision)
-    keeps the projections separate; otherwise the packed GEMM equals them."""
+    keeps the projections separate; otherwise the stacked weights and biases
+    (zeros for q, k, v, which have none) give the four projections."""
     from openfold3.core.model.primitives.attention import Attention
 
-    from of3_megafold.extensions.evoflash_attention import packed_projection
+    from of3_megafold.extensions.evoflash_attention import stacked_projection
 
     attention = _randomize(Attention(8, 8, 8, c_hidden=4, no_heads=2), 7)
     x = torch.randn(5, 8)
-    separate = [attention.linear_q(x), attention.linear_k(x), attention.linear_v(x),
-                attention.linear_g(x)]
-    torch.testing.assert_close(packed_projection(attention, x), torch.cat(separate, -1))
+    assert stacked_projection(attention)[1] is None  # OF3's have no biases
+    attention.linear_g.bias = torch.nn.Parameter(torch.randn(8))
+    separate = torch.stack([attention.linear_q(x), attention.linear_k(x),
+                            attention.linear_v(x), attention.linear_g(x)], 1)
+    weight, bias = stacked_projection(attention)
+    assert weight.shape == (4, 2, 4, 8) and bias.shape == (4, 2, 4)
+    stacked = torch.einsum("nc,phdc->nphd", x, weight) + bias
+    torch.testing.assert_close(stacked, separate.view(5, 4, 2, 4))
     attention.linear_k.precision = torch.float32
-    assert packed_projection(attention, x) is None
+    assert stacked_projection(attention) is None
+
+
+def test_projection_dtype_is_of3s(kit):
+    """As OF3's ``Linear.forward``: bf16 stays bf16 (autocast or not), fp32 follows
+    autocast."""
+    from of3_megafold.extensions.evoflash_attention import projection_dtype
+
+    x = torch.randn(2, 3)
+    assert projection_dtype(x) is torch.float32
+    assert projection_dtype(x.bfloat16()) is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert projection_dtype(x) is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert projection_dtype(x) is torch.float16
+        assert projection_dtype(x.bfloat16()) is torch.bfloat16
 
 
 def test_triangle_attention_reads_model_settings(kit, interpreted_kernels):
@@ -230,9 +251,9 @@ def test_attention_pair_bias(kit, interpreted_kernels, kernel_entries, diffusion
             return self.inner(**kw, **module_kwargs)
 
     _compare(Call(), inputs, _force)
-    # high precision keeps OF3's projections (q, k, v upcast), else one packed GEMM
-    packed = int(not high_precision)
-    assert kernel_entries == {"packed": packed, "separate": 1 - packed}
+    # high precision keeps OF3's projections (q, k, v upcast), else the projected path
+    projected = int(not high_precision)
+    assert kernel_entries == {"projected": projected, "separate": 1 - projected}
 
 
 def test_clash_with_of3_kernel_flags_is_rejected(kit):

@@ -18,9 +18,10 @@ from of3_megafold.kernels.backend import cuda_tf32
 from of3_megafold.kernels.evoflash import (
     configs,
     evoflash_attention,
-    evoflash_attention_packed,
+    evoflash_attention_projected,
     evoflash_attention_reference,
     function,
+    projected,
 )
 from of3_megafold.kernels.evoflash.tolerances import FACTOR, FLOOR
 
@@ -42,13 +43,15 @@ class Case:
     bias_dtype: torch.dtype | None = None  # default: the input dtype
     high_precision: bool = False
     fused_qkv: bool = False  # q, k, v as slices of one [.., 3D] tensor
-    packed: int = 0  # 3: evoflash_attention_packed on [B, S, N, 3, H, D]; 4: gated
+    projected: int = 0  # 3: evoflash_attention_projected from x [B, S, N, C] and
+    #                     a [3, H, D, C] weight; 4: with a gate
+    channels: int = 12  # C of a projected case
 
     def __str__(self):
         dt = str(self.dtype).removeprefix("torch.")
         hp = "-hp" if self.high_precision else ""
         fused = "-fused" if self.fused_qkv else ""
-        fused += f"-packed{self.packed}" if self.packed else ""
+        fused += f"-projected{self.projected}C{self.channels}" if self.projected else ""
         bdt = str(self.bias_dtype).removeprefix("torch.") if self.bias_dtype else ""
         bdt = f"-{bdt}" if bdt else ""
         return (f"B{self.B}S{self.S}N{self.N}H{self.H}D{self.D}-{dt}{hp}"
@@ -56,16 +59,20 @@ class Case:
 
 
 def make_inputs(case: Case, device: str, seed: int):
-    """Random q, k, v, mask bias, pair bias and output gradient (never zeros)."""
+    """Random q, k, v, mask bias, pair bias and output gradient (never zeros); for a
+    projected case x, the stacked weight and its bias in place of q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     B, S, N, H, D = case.B, case.S, case.N, case.H, case.D
 
     def randn(*shape, dtype=case.dtype):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    if case.packed:
-        q = randn(B, S, N, case.packed, H, D).requires_grad_()  # the packed leaf
-        k = v = None
+    if case.projected:
+        C = case.channels
+        q = randn(B, S, N, C)  # x
+        k = randn(case.projected, H, D, C) * C ** -0.5  # the stacked weight
+        v = randn(case.projected, H, D) * 0.5  # its bias
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
     elif case.fused_qkv:
         qkv = randn(B, S, N, H, 3 * D)
         q, k, v = (t.detach().requires_grad_() for t in qkv.split(D, dim=-1))
@@ -123,25 +130,21 @@ def _kind(case: Case) -> str:
 
 
 def _outputs(fn, q, k, v, mask_bias, pair_bias, do):
-    """Output and gradients (q, k, v, pair_bias) of ``fn``; for a packed input
-    (``k is None``: ``q`` is ``[B, S, N, P, H, D]``) the gradient's P slices."""
+    """Output and gradients (q, k, v, pair_bias) of ``fn`` (x, the weight and its
+    bias for a projected case)."""
     o = fn(q, k, v, mask_bias, pair_bias)
-    inputs = [q] if k is None else [q, k, v]
-    leaves = inputs + ([pair_bias] if pair_bias is not None else [])
-    grads = list(torch.autograd.grad(o, leaves, do))
-    if k is None:
-        grads[:1] = grads[0].unbind(3)
-    return [o.detach()] + grads
+    leaves = [q, k, v] + ([pair_bias] if pair_bias is not None else [])
+    return [o.detach()] + list(torch.autograd.grad(o, leaves, do))
 
 
-def _unpacked(fn):
-    """``fn`` (separate q, k, v) for a packed input: OF3's gating for ``P = 4``,
-    ``o * sigmoid(g)`` in the dtype ``fn`` returns."""
+def _projected(fn):
+    """``fn`` (separate q, k, v) from x, the stacked ``[P, H, D, C]`` weight and its
+    bias: the projection in x's dtype, OF3's gating for ``P = 4`` (``o *
+    sigmoid(g)`` in the dtype ``fn`` returns)."""
 
-    def call(q, k, v, m, b):
-        if k is not None:
-            return fn(q, k, v, m, b)
-        q, k, v, *gate = q.unbind(3)
+    def call(x, weight, bias, m, b):
+        qkv = torch.einsum("bsnc,phdc->bsnphd", x, weight) + bias
+        q, k, v, *gate = qkv.unbind(3)
         o = fn(q, k, v, m, b)
         return o * torch.sigmoid(gate[0].to(o.dtype)) if gate else o
 
@@ -154,21 +157,23 @@ def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = Tru
     q, k, v, mask_bias, pair_bias, do = make_inputs(case, device, seed)
 
     def kernel(q, k, v, m, b):
-        options = dict(high_precision=case.high_precision, deterministic=deterministic)
-        if k is None:
-            return evoflash_attention_packed(q, m, b, **options)
-        return evoflash_attention(q, k, v, m, b, **options)
+        if case.projected:
+            return evoflash_attention_projected(q, k, v, m, b,
+                                                deterministic=deterministic)
+        return evoflash_attention(q, k, v, m, b, high_precision=case.high_precision,
+                                  deterministic=deterministic)
 
-    @_unpacked
     def plain(q, k, v, m, b):
         if m is not None and q.dtype == torch.float16 and not case.high_precision:
             m = m.clamp_min(-6e4)  # -1e9 is -inf in fp16 logits: NaN rows in torch
         return evoflash_attention_reference(q, k, v, m, b,
                                             upcast=case.high_precision)
 
-    @_unpacked
     def oracle(q, k, v, m, b):
         return evoflash_attention_reference(q, k, v, m, b)
+
+    if case.projected:
+        plain, oracle = _projected(plain), _projected(oracle)
 
     kind = _kind(case)
     got = _outputs(kernel, q, k, v, mask_bias, pair_bias, do)
@@ -180,8 +185,8 @@ def check_case(case: Case, device: str, seed: int = 0, deterministic: bool = Tru
               if pair_bias is not None else None)
     want = _outputs(oracle, *leaves64, mask_bias, bias64, do.double())
 
-    gate = ["dgate"] if case.packed == 4 else []
-    names = ["o", "dq", "dk", "dv", *gate, "dbias"]
+    names = (["o", "dx", "dweight", "dproj_bias", "dbias"] if case.projected
+             else ["o", "dq", "dk", "dv", "dbias"])
     rows = []
     for i, (name, g, b, w) in enumerate(zip(names, got, base, want, strict=False)):
         assert g.shape == w.shape and g.dtype == b.dtype, name
@@ -212,14 +217,14 @@ CPU_CASES = [
     Case(1, 1, 33, 2, 24, high_precision=True, mask="none"),
     Case(1, 3, 16, 1, 48, mask="none", bias="none"),
     Case(1, 3, 17, 2, 16, torch.float16),
-    # packed q/k/v[/gate] (the extension's self-attention path)
-    Case(1, 3, 17, 2, 24, torch.bfloat16, packed=4),
-    Case(2, 1, 33, 2, 16, bias="none", packed=3),
-    Case(1, 3, 16, 2, 32, high_precision=True, packed=4),
-    Case(1, 1, 1, 1, 8, packed=4),
+    # q/k/v[/gate] projected inside (the extension's self-attention path)
+    Case(1, 3, 17, 2, 24, torch.bfloat16, projected=4),
+    Case(2, 1, 33, 2, 16, bias="none", projected=3, channels=8),
+    Case(1, 3, 16, 2, 32, projected=4, channels=20),
+    Case(1, 1, 1, 1, 8, projected=4, channels=3),
     # crop padding: key blocks without masked keys skip the mask
     Case(1, 3, 65, 2, 32, mask="tail"),
-    Case(2, 3, 50, 1, 24, torch.bfloat16, mask="tail", packed=4),
+    Case(2, 3, 50, 1, 24, torch.bfloat16, mask="tail", projected=4),
 ]
 
 
@@ -236,9 +241,9 @@ def test_matches_fp64_reference(case, device, monkeypatch):
     check_case(case, device, seed=zlib.crc32(str(case).encode()))
 
 
-@pytest.mark.parametrize("packed", [0, 4])
-def test_atomic_dq_variant(device, packed):
-    case = Case(1, 3, 33, 2, 24, torch.bfloat16, packed=packed)
+@pytest.mark.parametrize("projected", [0, 4])
+def test_atomic_dq_variant(device, projected):
+    case = Case(1, 3, 33, 2, 24, torch.bfloat16, projected=projected)
     check_case(case, device, seed=1, deterministic=False)
 
 
@@ -289,23 +294,74 @@ def test_mask_ranges_only_where_they_pay(device, monkeypatch):
     assert not function._Inputs(q, k, v, None, pair_bias).mask_ranges_pay()
 
 
-def test_packed_gradient_is_one_tensor(device):
-    """The packed backward returns one gradient in the input's layout (no
-    concatenation of per-slice gradients), and only the bias's when only it is
-    wanted (the gate gradient is still computed on the side)."""
-    case = Case(1, 2, 16, 2, 16, packed=4)
-    qkv, _, _, mask_bias, pair_bias, do = make_inputs(case, device, seed=9)
-    o = evoflash_attention_packed(qkv, mask_bias, pair_bias)
-    (dqkv,) = torch.autograd.grad(o, qkv, do)
-    assert dqkv.shape == qkv.shape and dqkv.is_contiguous()
-    o = evoflash_attention_packed(qkv.detach(), mask_bias, pair_bias)
-    (dbias,) = torch.autograd.grad(o, pair_bias, do)
-    o_ref = _unpacked(evoflash_attention_reference)(qkv.detach(), None, None,
-                                                    mask_bias, pair_bias)
-    (dbias_ref,) = torch.autograd.grad(o_ref, pair_bias, do)
-    torch.testing.assert_close(dbias, dbias_ref, **fp32_tol(1e-5, 1e-4))
+def test_chunks(monkeypatch):
+    """One chunk while the whole projection fits in ``CHUNK_BYTES``; past it, per
+    b, equal runs of S slices that cover each slice once."""
+    whole = (slice(None), slice(None))
+    assert projected.chunks(2, 5, projected.CHUNK_BYTES // 10) == [whole]
+    assert projected.chunks(0, 5, 30) == [] and projected.chunks(2, 0, 30) == []
+    monkeypatch.setattr(projected, "CHUNK_BYTES", 100)
+    assert projected.chunks(2, 5, 30) == [
+        (slice(0, 1), slice(0, 3)), (slice(0, 1), slice(3, 5)),
+        (slice(1, 2), slice(0, 3)), (slice(1, 2), slice(3, 5)),
+    ]
+    assert projected.chunks(1, 3, 200) == [(slice(0, 1), slice(s, s + 1))
+                                           for s in range(3)]
+
+
+PROJECTED_CHUNK_CASES = [
+    Case(2, 5, 17, 2, 16, torch.bfloat16, projected=4),
+    Case(1, 4, 16, 2, 24, bias="per_s", projected=3),
+    Case(2, 3, 33, 1, 16, mask="tail", bias="batch1", projected=4),
+]
+
+
+@pytest.mark.parametrize("case", PROJECTED_CHUNK_CASES, ids=str)
+def test_projected_in_chunks(case, device, monkeypatch):
+    """In chunks of two S slices (the backward recomputes each chunk's projection
+    and sums the weight, bias and pair-bias gradients over the chunks in fp32) the
+    projected call passes the fp64 rule, and its output is the one-chunk call's."""
+    _with_mask_ranges(case, monkeypatch)
+    x, w, b, mask_bias, pair_bias, do = make_inputs(case, device, seed=14)
+    one = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+    slice_bytes = case.N * case.projected * case.H * case.D * x.element_size()
+    monkeypatch.setattr(projected, "CHUNK_BYTES", 2 * slice_bytes)
+    assert len(projected.chunks(case.B, case.S, slice_bytes)) > 1
+    assert torch.equal(evoflash_attention_projected(x, w, b, mask_bias, pair_bias),
+                       one)
+    check_case(case, device, seed=15)
+
+
+@pytest.mark.parametrize("wanted", ["x", "weights", "pair_bias"])
+def test_projected_only_requested_gradients(wanted, device):
+    """Only the requested gradients come back, each equal to the all-gradients
+    call's (the pair bias's alone still runs the gate gradient on the side)."""
+    case = Case(1, 3, 17, 2, 16, projected=4)
+    x, w, b, mask_bias, pair_bias, do = make_inputs(case, device, seed=9)
+    o = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+    full = dict(zip(("x", "w", "b", "pair_bias"),
+                    torch.autograd.grad(o, (x, w, b, pair_bias), do), strict=True))
+    leaves = {"x": ["x"], "weights": ["w", "b"], "pair_bias": ["pair_bias"]}[wanted]
+    tensors = {"x": x, "w": w, "b": b, "pair_bias": pair_bias}
+    args = {k: t if k in leaves else t.detach() for k, t in tensors.items()}
+    o = evoflash_attention_projected(args["x"], args["w"], args["b"], mask_bias,
+                                     args["pair_bias"])
+    got = torch.autograd.grad(o, [args[k] for k in leaves], do)
+    for name, g in zip(leaves, got, strict=True):
+        assert torch.equal(g, full[name]), name
+
+
+def test_projected_rejects_bad_shapes(device):
+    x = torch.randn(1, 2, 8, 6, device=device)
+    w = torch.randn(4, 2, 16, 6, device=device)
     with pytest.raises(ValueError, match="3 or 4"):
-        evoflash_attention_packed(qkv.detach()[:, :, :, :2])
+        evoflash_attention_projected(x, w[:2])
+    with pytest.raises(ValueError, match="C"):
+        evoflash_attention_projected(x, w[..., :5])
+    with pytest.raises(ValueError, match="bias must be"):
+        evoflash_attention_projected(x, w, torch.zeros(4, 2, 8, device=device))
+    with pytest.raises(ValueError, match="dtype"):
+        evoflash_attention_projected(x, w.double())
 
 
 def test_one_slice_per_program(device, monkeypatch):
@@ -447,13 +503,15 @@ GPU_CASES = [
     Case(1, 1, 384, 16, 24, torch.bfloat16),
     Case(1, 1, 384, 16, 24, torch.float32, high_precision=True),
     Case(1, 48, 384, 16, 48, torch.bfloat16, high_precision=True),  # OF3's training
-    # packed q/k/v[/gate]: the extension's path for 16-bit self-attention
-    Case(1, 256, 256, 4, 32, torch.bfloat16, bias="permuted", packed=4),
-    Case(1, 4, 300, 2, 48, torch.bfloat16, packed=4),
-    Case(1, 4, 129, 2, 64, torch.float16, packed=3),
+    # q/k/v[/gate] projected inside: the extension's path for 16-bit self-attention
+    # (triangle attention: c 128)
+    Case(1, 256, 256, 4, 32, torch.bfloat16, bias="permuted", projected=4,
+         channels=128),
+    Case(1, 4, 300, 2, 48, torch.bfloat16, projected=4),
+    Case(1, 4, 129, 2, 64, torch.float16, projected=3),
     # crop padding: key blocks without masked keys skip the mask
     Case(1, 4, 300, 4, 32, torch.bfloat16, mask="tail"),
-    Case(1, 48, 300, 16, 48, torch.bfloat16, mask="tail", packed=4),
+    Case(1, 48, 300, 16, 48, torch.bfloat16, mask="tail", projected=4),
 ]
 
 
@@ -465,10 +523,19 @@ def test_gpu_matches_fp64_reference(case, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [0, 4])
-def test_gpu_atomic_dq_variant(device, packed):
-    check_case(Case(1, 64, 256, 4, 32, torch.bfloat16, packed=packed), device, seed=6,
-               deterministic=False)
+@pytest.mark.parametrize("projected", [0, 4])
+def test_gpu_atomic_dq_variant(device, projected):
+    check_case(Case(1, 64, 256, 4, 32, torch.bfloat16, projected=projected), device,
+               seed=6, deterministic=False)
+
+
+@pytest.mark.gpu
+def test_gpu_projected_in_chunks(device, monkeypatch):
+    """Triangle attention at N=384 in three chunks of 128 rows."""
+    case = Case(1, 384, 384, 4, 32, torch.bfloat16, mask="tail", bias="permuted",
+                projected=4, channels=128)
+    monkeypatch.setattr(projected, "CHUNK_BYTES", 128 * 384 * 4 * 128 * 2)
+    check_case(case, device, seed=16)
 
 
 @pytest.mark.gpu
@@ -520,17 +587,24 @@ def test_shipped_table_keys_have_the_launches_form(device, monkeypatch):
             Case(1, S, 16, 2, 32, dtype), device, seed=11)
         if site == "single":
             q, k, v, do = (t.detach().float().requires_grad_() for t in (q, k, v, do))
-        # the extension's packed, gated path too (q, k, v and a gate of q's dtype)
-        qkv = torch.stack([q, k, v, q], dim=3).detach().requires_grad_()
         with monkeypatch.context() as patch:
             if unsplit:
                 patch.setattr(function, "_dbias_splits", lambda inp, dev: 1)
             o = evoflash_attention(q, k, v, mask_bias, pair_bias,
                                    high_precision=site != "triangle")
             o.backward(do)
-            o = evoflash_attention_packed(qkv, mask_bias, pair_bias,
-                                          high_precision=site != "triangle")
-            o.backward(do)
+            if site != "triangle":
+                continue
+            # the extension's projected, gated path, in one chunk and in several (an
+            # fp32 bias gradient per chunk)
+            x, w, b = (t.detach().requires_grad_() for t in (
+                torch.randn(1, S, 16, 8, device=device, dtype=dtype),
+                torch.randn(4, 2, 32, 8, device=device, dtype=dtype),
+                torch.randn(4, 2, 32, device=device, dtype=dtype)))
+            for chunk_bytes in (projected.CHUNK_BYTES, 1):
+                patch.setattr(projected, "CHUNK_BYTES", chunk_bytes)
+                o = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+                o.backward(do)
     tuned_launches = {(n, d) for n, d in launched if n in shipped}
     assert {n for n, _ in tuned_launches} == set(shipped)
     for name, key_dtypes in tuned_launches:

@@ -235,16 +235,18 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int, int]:
 
 
 def evoflash_fwd(inp: _Inputs, scale: float, high_precision: bool,
-                 gate: torch.Tensor | None = None):
+                 gate: torch.Tensor | None = None, out: torch.Tensor | None = None):
     """Launch the forward kernel. Returns ``(o, lse, r, flags, krange)``: the
     output in the input layout and dtype (times ``sigmoid(gate)`` with a
-    ``[B, S, N, H, D]`` gate), the two fp32 ``[B, S, H, N]`` row statistics, the
-    backward's int32 ``[B, S]`` fully-masked-query flags, zeroed here, and the key
-    mask's ranges (:meth:`_Inputs.mask_range`; None without a mask or where they do
-    not pay, :meth:`_Inputs.mask_ranges_pay`)."""
+    ``[B, S, N, H, D]`` gate; written into ``out``, a view of that shape and dtype
+    with a unit last stride, when given), the two fp32 ``[B, S, H, N]`` row
+    statistics, the backward's int32 ``[B, S]`` fully-masked-query flags, zeroed
+    here, and the key mask's ranges (:meth:`_Inputs.mask_range`; None without a mask
+    or where they do not pay, :meth:`_Inputs.mask_ranges_pay`)."""
     B, S, N, H, D = inp.B, inp.S, inp.N, inp.H, inp.D
     q = inp.q
-    o = torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device)
+    o = (out if out is not None else
+         torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device))
     lse = torch.empty((B, S, H, N), dtype=torch.float32, device=q.device)
     r = torch.empty_like(lse)
     flags = torch.empty((B, S), dtype=torch.int32, device=q.device)
@@ -293,12 +295,12 @@ def _broadcast_dims(shape: torch.Size, full: tuple[int, ...]) -> list[int]:
     return [i for i in range(5) if target[i] == 1 and full[i] != 1]
 
 
-def _finish_dbias(grad: torch.Tensor, inp: _Inputs) -> torch.Tensor:
-    """A ``[B, S|1, H, N, N]`` bias gradient in the pair bias's shape and dtype."""
+def _finish_dbias(grad: torch.Tensor, inp: _Inputs, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[B, S|1, H, N, N]`` bias gradient in the pair bias's shape, in ``dtype``."""
     dims = _broadcast_dims(inp.bias_shape, tuple(grad.shape))
     if dims:
         grad = grad.sum(dim=dims, keepdim=True)
-    return grad.reshape(inp.bias_shape).to(inp.bias.dtype)
+    return grad.reshape(inp.bias_shape).to(dtype)
 
 
 def evoflash_bwd(
@@ -306,9 +308,11 @@ def evoflash_bwd(
     high_precision: bool,
     deterministic: bool, need_dq: bool, need_dkdv: bool, need_dbias: bool,
     gate: torch.Tensor | None = None, grads: tuple | None = None,
+    dbias_dtype: torch.dtype | None = None,
 ):
     """Launch the backward kernels. Returns ``(dq, dk, dv, dbias)``, None where not
-    needed; ``dbias`` has the pair bias's shape and dtype.
+    needed; ``dbias`` has the pair bias's shape, and its dtype or ``dbias_dtype``
+    (fp32 for a caller that sums the gradients of several calls).
 
     With the forward's ``gate``, ``o`` and ``do`` are the gated output and its
     gradient. ``grads``: ``(dq, dk, dv[, dgate])`` ``[B, S, N, H, D]`` views with one
@@ -405,7 +409,8 @@ def evoflash_bwd(
     # bias was broadcast over B or H too (then fp32, summed over those at the end).
     bias_s = S if inp.bias_per_s else 1
     direct = need_dbias and not _broadcast_dims(inp.bias_shape, (B, bias_s, H, N, N))
-    dbias_dtype = inp.bias.dtype if direct else torch.float32
+    out_dtype = dbias_dtype or (inp.bias.dtype if need_dbias else None)
+    dbias_dtype = out_dtype if direct else torch.float32
     if reduce_over_s:
         splits = _dbias_splits(inp, q.device)
         s_chunk = cdiv(S, splits)
@@ -467,14 +472,14 @@ def evoflash_bwd(
         )
 
     if dbias is not None:
-        dbias = dbias.view(inp.bias_shape) if direct else _finish_dbias(dbias, inp)
+        dbias = (dbias.view(inp.bias_shape) if direct
+                 else _finish_dbias(dbias, inp, out_dtype))
     return dq, dk, dv, dbias
 
 
-def _forward(ctx, inp: _Inputs, scale, high_precision: bool, deterministic: bool,
-             gate: torch.Tensor | None = None):
-    """The forward of both autograd functions: keeps on ``ctx`` what their backward
-    needs besides the saved tensors and runs the kernel. Returns ``(o, (lse, r,
+def _forward(ctx, inp: _Inputs, scale, high_precision: bool, deterministic: bool):
+    """The autograd function's forward: keeps on ``ctx`` what its backward needs
+    besides the saved tensors and runs the kernel. Returns ``(o, (lse, r,
     flags, krange))``, or ``(an empty o, None)`` for an empty input (``ctx.empty``).
 
     The backward reuses the checked views' strides and flags; the tensors travel
@@ -488,7 +493,7 @@ def _forward(ctx, inp: _Inputs, scale, high_precision: bool, deterministic: bool
     ctx.deterministic = deterministic
     if ctx.empty:
         return torch.empty(inp.q.shape, dtype=inp.q.dtype, device=inp.q.device), None
-    o, *stats = evoflash_fwd(inp, ctx.scale, high_precision, gate)
+    o, *stats = evoflash_fwd(inp, ctx.scale, high_precision)
     return o, stats
 
 
@@ -535,87 +540,6 @@ class EvoFlashAttentionFunction(torch.autograd.Function):
         )
         return (dq, dk if need_dk else None, dv if need_dv else None, None, dbias,
                 None, None, None)
-
-
-class EvoFlashPackedAttentionFunction(torch.autograd.Function):
-    """Autograd function behind :func:`evoflash_attention_packed`.
-
-    Saves the packed input, O (gated, with a gate), the row statistics and the
-    slice flags. The backward writes dQ, dK, dV and the gate gradient into one
-    packed gradient of the input's layout, so the one projection that made the
-    input gets one gradient and no concatenation."""
-
-    @staticmethod
-    def forward(ctx, qkv, mask_bias, pair_bias, scale, high_precision, deterministic):
-        qkv = _checked_packed(qkv)
-        q, k, v, *gate = qkv.unbind(3)
-        inp = _Inputs(q, k, v, mask_bias, pair_bias)
-        ctx.qkv_shape = qkv.shape
-        o, stats = _forward(ctx, inp, scale, high_precision, deterministic,
-                            gate[0] if gate else None)
-        if stats is not None:
-            ctx.save_for_backward(qkv, inp.mask, inp.bias, o, *stats)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        need_qkv, _, need_dbias = ctx.needs_input_grad[:3]
-        if ctx.empty:
-            dqkv = (torch.zeros(ctx.qkv_shape, dtype=do.dtype, device=do.device)
-                    if need_qkv else None)
-            bias_grad = (torch.zeros(ctx.bias_shape, dtype=do.dtype, device=do.device)
-                         if need_dbias else None)
-            return dqkv, None, bias_grad, None, None, None
-        qkv, mask, bias, o, lse, r, flags, krange = ctx.saved_tensors
-        q, k, v, *gate = qkv.unbind(3)
-        # a gate gradient is written even when only the bias needs a gradient
-        dqkv = torch.empty_like(qkv) if need_qkv or gate else None
-        _, _, _, dbias = evoflash_bwd(
-            ctx.inp.with_tensors(q, k, v, mask, bias), do, o, lse, r, flags, krange,
-            ctx.scale, ctx.high_precision, ctx.deterministic, need_qkv, need_qkv,
-            need_dbias, gate[0] if gate else None,
-            dqkv.unbind(3) if dqkv is not None else None,
-        )
-        return dqkv if need_qkv else None, None, dbias, None, None, None
-
-
-def _checked_packed(qkv: torch.Tensor) -> torch.Tensor:
-    if qkv.dim() != 6 or qkv.shape[3] not in (3, 4):
-        raise ValueError(
-            f"qkv must be [B, S, N, 3 or 4, H, D], got shape {tuple(qkv.shape)}"
-        )
-    # contiguous: its gradient (empty_like) then has the same strides
-    return qkv.contiguous()
-
-
-def evoflash_attention_packed(
-    qkv: torch.Tensor,
-    mask_bias: torch.Tensor | None = None,
-    pair_bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    high_precision: bool = False,
-    deterministic: bool = True,
-) -> torch.Tensor:
-    """:func:`evoflash_attention` on q, k, v packed in one tensor, with OF3's gating.
-
-    Args:
-        qkv: ``[B, S, N, P, H, D]``: ``qkv[:, :, :, 0..2]`` are q, k, v, and with
-            ``P = 4`` ``qkv[:, :, :, 3]`` is the gate ``g`` (OF3's ``linear_g``
-            output before its sigmoid). This is one ``[*, N, P * H * D]``
-            projection viewed per head, so the projection's gradient comes back as
-            one tensor of this layout.
-        mask_bias, pair_bias, scale, high_precision, deterministic: as in
-            :func:`evoflash_attention`.
-
-    Returns:
-        ``[B, S, N, H, D]``: ``softmax(scale q k^T + mask_bias + pair_bias) v``,
-        times ``sigmoid(g)`` with ``P = 4`` (computed in fp32 in the kernel's
-        epilogue and rounded once).
-    """
-    _require_device(qkv, "evoflash_attention_packed")
-    return EvoFlashPackedAttentionFunction.apply(
-        qkv, mask_bias, pair_bias, scale, high_precision, deterministic
-    )
 
 
 def evoflash_attention(
