@@ -90,7 +90,9 @@ def _projections(attention: Any) -> list[Any]:
     return linears + ([attention.linear_g] if attention.linear_g is not None else [])
 
 
-def stacked_projection(attention: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def stacked_projection(
+    attention: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The q, k, v (and, with gating, gate) projections' weights stacked per head.
 
     Returns:
