@@ -351,6 +351,26 @@ def test_projected_only_requested_gradients(wanted, device):
         assert torch.equal(g, full[name]), name
 
 
+def test_projected_ignores_autocast(device):
+    """Dots in x's dtype in the forward and the backward, whatever autocast says
+    around either (autograd may run the backward under another autocast state than
+    the forward's, as a training step whose backward sits inside its autocast)."""
+    case = Case(1, 2, 16, 2, 16, projected=4)
+    x, w, b, mask_bias, pair_bias, do = make_inputs(case, device, seed=17)
+    leaves = (x, w, b, pair_bias)
+    o = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+    want = torch.autograd.grad(o, leaves, do)
+    device_type = torch.device(device).type
+    for forward_on, backward_on in ((False, True), (True, False)):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=forward_on):
+            got_o = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=backward_on):
+            got = torch.autograd.grad(got_o, leaves, do)
+        assert got_o.dtype == torch.float32 and torch.equal(got_o, o)
+        for g, w_ in zip(got, want, strict=True):
+            assert torch.equal(g, w_)
+
+
 def test_projected_rejects_bad_shapes(device):
     x = torch.randn(1, 2, 8, 6, device=device)
     w = torch.randn(4, 2, 16, 6, device=device)

@@ -77,6 +77,19 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask_bias, pair_bias, scale, deterministic):
+        # dots in x's dtype whatever autocast says, here and in the backward (which
+        # autograd may run under another autocast state than the forward's)
+        with torch.autocast(x.device.type, enabled=False):
+            return EvoFlashProjectedAttentionFunction._forward(
+                ctx, x, weight, bias, mask_bias, pair_bias, scale, deterministic)
+
+    @staticmethod
+    def backward(ctx, do):
+        with torch.autocast(do.device.type, enabled=False):
+            return EvoFlashProjectedAttentionFunction._backward(ctx, do)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, mask_bias, pair_bias, scale, deterministic):
         x = x.contiguous()
         mask = _as_5d(mask_bias) if mask_bias is not None else None
         pb = _as_5d(pair_bias) if pair_bias is not None else None
@@ -99,7 +112,7 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(ctx, do):
+    def _backward(ctx, do):
         x, weight, bias, mask, pb, o, *stats = ctx.saved_tensors
         need_x, need_w, need_b, _, need_pb = ctx.needs_input_grad[:5]
         need_proj = need_x or need_w or need_b
