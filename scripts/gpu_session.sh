@@ -154,6 +154,10 @@ for spec in "$@"; do
         # shellcheck disable=SC2086  # $extra: options for gpu_transition_ab.py
         transition-ab) run "$name" "${limit:-200}" python3 scripts/gpu_transition_ab.py \
             "$OUT/$name.txt" $extra ;;
+        # the projected EvoFlash path against the packed one (carry .host-ab-old at 68892ec)
+        # shellcheck disable=SC2086  # $extra: options for gpu_projected_ab.py
+        projected-ab) run "$name" "${limit:-200}" python3 scripts/gpu_projected_ab.py \
+            "$OUT/$name.txt" $extra ;;
         # DeepSpeed's evoformer op, built ahead of the benchmarks that time it
         ds-build) run ds-build "${limit:-560}" python3 -c "
 import time; t = time.time()
