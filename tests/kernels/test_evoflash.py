@@ -323,12 +323,22 @@ def test_projected_in_chunks(case, device, monkeypatch):
     projected call passes the fp64 rule, and its output is the one-chunk call's."""
     _with_mask_ranges(case, monkeypatch)
     x, w, b, mask_bias, pair_bias, do = make_inputs(case, device, seed=14)
+    projections = []
+    project = projected._project
+    monkeypatch.setattr(projected, "_project",
+                        lambda *a: projections.append(1) or project(*a))
     one = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+    one.backward(do)
+    assert len(projections) == 1  # one chunk: kept for the backward
     slice_bytes = case.N * case.projected * case.H * case.D * x.element_size()
     monkeypatch.setattr(projected, "CHUNK_BYTES", 2 * slice_bytes)
-    assert len(projected.chunks(case.B, case.S, slice_bytes)) > 1
-    assert torch.equal(evoflash_attention_projected(x, w, b, mask_bias, pair_bias),
-                       one)
+    chunks = len(projected.chunks(case.B, case.S, slice_bytes))
+    assert chunks > 1
+    projections.clear()
+    many = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+    many.backward(do)
+    assert len(projections) == 2 * chunks  # recomputed in the backward
+    assert torch.equal(many, one)
     check_case(case, device, seed=15)
 
 

@@ -2,14 +2,16 @@
 
 :func:`evoflash_attention_projected` computes
 ``softmax(scale q k^T + mask_bias + pair_bias) v``, times ``sigmoid(g)`` when
-gated, with ``[q | k | v | g] = x weight^T + bias`` computed inside. The projection
-is never saved: the forward runs it per chunk of S slices and keeps only ``x``, the
-output and the row statistics; the backward recomputes each chunk's projection, runs
-the attention backward into one packed gradient and turns that into the input,
-weight and bias gradients before the next chunk. Peak memory then holds one chunk's
-projection and its gradient (about :data:`CHUNK_BYTES` each) instead of the whole
-``[B, S, N, P, H, D]`` pair: at triangle attention N=1024 (4 heads x 32, gated)
-those are 1 GiB each in bf16. The price is one more projection GEMM per call.
+gated, with ``[q | k | v | g] = x weight^T + bias`` computed inside. A projection
+larger than :data:`CHUNK_BYTES` is never saved: the forward runs it per chunk of S
+slices and keeps only ``x``, the output and the row statistics; the backward
+recomputes each chunk's projection, runs the attention backward into one packed
+gradient and turns that into the input, weight and bias gradients before the next
+chunk. Peak memory then holds one chunk's projection and its gradient (about
+:data:`CHUNK_BYTES` each) instead of the whole ``[B, S, N, P, H, D]`` pair: at
+triangle attention N=1024 (4 heads x 32, gated) those are 1 GiB each in bf16. The
+price is one more projection GEMM per call. A projection that fits in one chunk is
+kept for the backward, as a plain autograd graph would.
 """
 
 from __future__ import annotations
@@ -48,16 +50,20 @@ def _rows(t: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
     return t[b if t.shape[0] > 1 else slice(None), s if t.shape[1] > 1 else slice(None)]
 
 
-def _chunk(x, weight, bias, mask, pair_bias, rows: Rows):
-    """A chunk's projection ``[b, s, N, P, H, D]``, its checked kernel inputs and
-    its gate (None when ungated)."""
+def _project(x, weight, bias, rows: Rows) -> torch.Tensor:
+    """A chunk's projection ``[b, s, N, P, H, D]``."""
     P, H, D, C = weight.shape
-    qkv = torch.nn.functional.linear(
-        x[rows], weight.view(-1, C), bias.view(-1) if bias is not None else None
-    ).view(*x[rows].shape[:-1], P, H, D)
+    xr = x[rows]
+    return torch.nn.functional.linear(
+        xr, weight.view(-1, C), bias.view(-1) if bias is not None else None
+    ).view(*xr.shape[:-1], P, H, D)
+
+
+def _kernel_inputs(qkv, mask, pair_bias, rows: Rows):
+    """A chunk's checked kernel inputs and its gate (None when ungated)."""
     q, k, v, *gate = qkv.unbind(3)
     inp = _Inputs(q, k, v, _rows(mask, rows), _rows(pair_bias, rows))
-    return qkv, inp, gate[0] if gate else None
+    return inp, gate[0] if gate else None
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor, several: bool) -> torch.Tensor:
@@ -72,8 +78,8 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
     """Autograd function behind :func:`evoflash_attention_projected`.
 
     Saves ``x``, the weights, the mask, the (contiguous) pair bias, the gated
-    output and per chunk the row statistics, slice flags and key-mask ranges. The
-    mask gets no gradient."""
+    output, the projection when it is one chunk, and per chunk the row statistics,
+    slice flags and key-mask ranges. The mask gets no gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask_bias, pair_bias, scale, deterministic):
@@ -103,17 +109,20 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         o = x.new_empty((B, S, N, H, D))
         ctx.chunks = chunks(B, S, N * weight.shape[:3].numel() * x.element_size()
                             ) if o.numel() else []
-        stats = []
+        stats, qkv = [], None
         for rows in ctx.chunks:
-            _, inp, gate = _chunk(x, weight, bias, mask, pb, rows)
+            qkv = _project(x, weight, bias, rows)
+            inp, gate = _kernel_inputs(qkv, mask, pb, rows)
             _, *chunk_stats = evoflash_fwd(inp, ctx.scale, False, gate, out=o[rows])
             stats += chunk_stats
-        ctx.save_for_backward(x, weight, bias, mask, pb, o, *stats)
+        # one chunk: its projection is kept (recomputing it would only cost time)
+        kept = qkv if len(ctx.chunks) == 1 else None
+        ctx.save_for_backward(x, weight, bias, mask, pb, o, kept, *stats)
         return o
 
     @staticmethod
     def _backward(ctx, do):
-        x, weight, bias, mask, pb, o, *stats = ctx.saved_tensors
+        x, weight, bias, mask, pb, o, kept, *stats = ctx.saved_tensors
         need_x, need_w, need_b, _, need_pb = ctx.needs_input_grad[:5]
         need_proj = need_x or need_w or need_b
         several = len(ctx.chunks) > 1
@@ -126,7 +135,8 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         if need_pb and several:
             dpb = torch.zeros(pb.shape, dtype=torch.float32, device=pb.device)
         for i, rows in enumerate(ctx.chunks):
-            qkv, inp, gate = _chunk(x, weight, bias, mask, pb, rows)
+            qkv = kept if kept is not None else _project(x, weight, bias, rows)
+            inp, gate = _kernel_inputs(qkv, mask, pb, rows)
             # dQ, dK, dV and the gate gradient land in one tensor of the projection's
             # layout (the gate's even when only the pair bias needs a gradient)
             dqkv = torch.empty_like(qkv)
