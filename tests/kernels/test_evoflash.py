@@ -328,8 +328,15 @@ def test_projected_in_chunks(case, device, monkeypatch):
     monkeypatch.setattr(projected, "_project",
                         lambda *a: projections.append(1) or project(*a))
     one = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
-    one.backward(do)
+    one.backward(do, retain_graph=True)
     assert len(projections) == 1  # one chunk: kept for the backward
+    grads = [t.grad.clone() for t in (x, w, b, pair_bias)]
+    for t in (x, w, b, pair_bias):
+        t.grad = None
+    one.backward(do)  # a second backward recomputes it
+    assert len(projections) == 2
+    for t, g in zip((x, w, b, pair_bias), grads, strict=True):
+        assert torch.equal(t.grad, g)
     slice_bytes = case.N * case.projected * case.H * case.D * x.element_size()
     monkeypatch.setattr(projected, "CHUNK_BYTES", 2 * slice_bytes)
     chunks = len(projected.chunks(case.B, case.S, slice_bytes))

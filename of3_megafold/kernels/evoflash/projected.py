@@ -78,8 +78,8 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
     """Autograd function behind :func:`evoflash_attention_projected`.
 
     Saves ``x``, the weights, the mask, the (contiguous) pair bias, the gated
-    output, the projection when it is one chunk, and per chunk the row statistics,
-    slice flags and key-mask ranges. The mask gets no gradient."""
+    output and per chunk the row statistics, slice flags and key-mask ranges, and
+    keeps the projection when it is one chunk. The mask gets no gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask_bias, pair_bias, scale, deterministic):
@@ -115,27 +115,33 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
             inp, gate = _kernel_inputs(qkv, mask, pb, rows)
             _, *chunk_stats = evoflash_fwd(inp, ctx.scale, False, gate, out=o[rows])
             stats += chunk_stats
-        # one chunk: its projection is kept (recomputing it would only cost time)
-        kept = qkv if len(ctx.chunks) == 1 else None
-        ctx.save_for_backward(x, weight, bias, mask, pb, o, kept, *stats)
+        # One chunk: its projection is kept (recomputing it would only cost time), on
+        # ctx rather than saved, so that the backward can free it before the input
+        # gradient is allocated. A second backward (retain_graph) recomputes it.
+        ctx.kept = qkv if len(ctx.chunks) == 1 else None
+        ctx.save_for_backward(x, weight, bias, mask, pb, o, *stats)
         return o
 
     @staticmethod
     def _backward(ctx, do):
-        x, weight, bias, mask, pb, o, kept, *stats = ctx.saved_tensors
+        x, weight, bias, mask, pb, o, *stats = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
         need_x, need_w, need_b, _, need_pb = ctx.needs_input_grad[:5]
         need_proj = need_x or need_w or need_b
         several = len(ctx.chunks) > 1
         C = x.shape[-1]
         w2d = weight.view(-1, C)
         dx = None
-        if need_x:  # zeros for an empty output (no chunks)
-            dx = torch.empty_like(x) if ctx.chunks else torch.zeros_like(x)
+        if need_x and several:  # one chunk: allocated once its projection is freed
+            dx = torch.empty_like(x)
+        elif need_x and not ctx.chunks:  # an empty output
+            dx = torch.zeros_like(x)
         dw = db = dpb = None
         if need_pb and several:
             dpb = torch.zeros(pb.shape, dtype=torch.float32, device=pb.device)
         for i, rows in enumerate(ctx.chunks):
             qkv = kept if kept is not None else _project(x, weight, bias, rows)
+            kept = None
             inp, gate = _kernel_inputs(qkv, mask, pb, rows)
             # dQ, dK, dV and the gate gradient land in one tensor of the projection's
             # layout (the gate's even when only the pair bias needs a gradient)
@@ -147,8 +153,10 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
             )
             del qkv, inp, gate
             grad = dqkv.view(-1, w2d.shape[0])
-            if need_x:
+            if need_x and several:
                 torch.mm(grad, w2d, out=dx[rows].view(-1, C))
+            elif need_x:
+                dx = torch.mm(grad, w2d).view(x.shape)
             if need_w:
                 dw = _add(dw, grad.t() @ x[rows].reshape(-1, C), several)
             if need_b:
