@@ -10,7 +10,7 @@ gradient and turns that into the input, weight and bias gradients before the nex
 chunk. Peak memory then holds one chunk's projection and its gradient (about
 :data:`CHUNK_BYTES` each) instead of the whole ``[B, S, N, P, H, D]`` pair: at
 triangle attention N=1024 (4 heads x 32, gated) those are 1 GiB each in bf16. The
-price is one more projection GEMM per call. A projection that fits in one chunk is
+price is one more projection GEMM per chunk. A projection that fits in one chunk is
 kept for the backward, as a plain autograd graph would.
 """
 
@@ -55,7 +55,7 @@ def _project(x, weight, bias, rows: Rows) -> torch.Tensor:
     P, H, D, C = weight.shape
     xr = x[rows]
     return torch.nn.functional.linear(
-        xr, weight.view(-1, C), bias.view(-1) if bias is not None else None
+        xr, weight.reshape(-1, C), bias.reshape(-1) if bias is not None else None
     ).view(*xr.shape[:-1], P, H, D)
 
 
@@ -130,7 +130,7 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         need_proj = need_x or need_w or need_b
         several = len(ctx.chunks) > 1
         C = x.shape[-1]
-        w2d = weight.view(-1, C)
+        w2d = weight.reshape(-1, C)
         dx = None
         if need_x and several:  # one chunk: allocated once its projection is freed
             dx = torch.empty_like(x)
