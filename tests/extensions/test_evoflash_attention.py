@@ -136,6 +136,27 @@ def test_triangle_attention(kit, interpreted_kernels, kernel_entries, starting, 
     assert kernel_entries == {"projected": 1, "separate": 0}
 
 
+def test_triangle_attention_in_chunks(kit, interpreted_kernels, kernel_entries,
+                                      monkeypatch):
+    """The ending-node module (transposed input) with its projection in chunks of two
+    rows, recomputed in the backward: still within the error rule against OF3."""
+    from openfold3.core.model.layers.triangular_attention import TriangleAttention
+
+    from of3_megafold.kernels.evoflash import projected
+
+    n = 7
+    module = _randomize(
+        TriangleAttention(c_in=8, c_hidden=8, no_heads=2, starting=False), 4
+    )
+    slice_bytes = n * 4 * 2 * 8 * 4  # N x (4 projections x 2 heads x 8) fp32
+    monkeypatch.setattr(projected, "CHUNK_BYTES", 2 * slice_bytes)
+    assert len(projected.chunks(1, n, slice_bytes)) == 4
+    x = torch.randn(1, n, n, 8)
+    mask = (torch.rand(1, n, n) > 0.2).float()
+    _compare(module, {"x": x, "mask": mask}, _force)
+    assert kernel_entries == {"projected": 1, "separate": 0}
+
+
 @pytest.mark.parametrize("gating", [True, False])
 def test_attention_with_separate_key_input(kit, interpreted_kernels, kernel_entries,
                                            gating):
