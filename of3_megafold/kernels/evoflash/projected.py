@@ -26,6 +26,7 @@ from .function import _as_5d, _Inputs, _require_device, evoflash_bwd, evoflash_f
 CHUNK_BYTES = 256 * 2**20
 
 Rows = tuple[slice, slice]  # the (b, s) slices of a chunk
+WHOLE: Rows = (slice(None), slice(None))  # the one chunk of a call that fits
 
 
 def chunks(B: int, S: int, slice_bytes: int) -> list[Rows]:
@@ -36,16 +37,17 @@ def chunks(B: int, S: int, slice_bytes: int) -> list[Rows]:
     if B * S == 0:
         return []
     if B * S * slice_bytes <= CHUNK_BYTES:
-        return [(slice(None), slice(None))]
+        return [WHOLE]
     step = cdiv(S, cdiv(S * slice_bytes, CHUNK_BYTES))
     return [(slice(b, b + 1), slice(s, min(S, s + step)))
             for b in range(B) for s in range(0, S, step)]
 
 
 def _rows(t: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
-    """A chunk's part of a ``[B|1, S|1, ...]`` tensor (broadcast dims kept whole)."""
-    if t is None:
-        return None
+    """A chunk's part of a ``[B|1, S|1, ...]`` tensor (broadcast dims kept whole;
+    the tensor itself for :data:`WHOLE`, no view op on a host-bound call)."""
+    if t is None or rows is WHOLE:
+        return t
     b, s = rows
     return t[b if t.shape[0] > 1 else slice(None), s if t.shape[1] > 1 else slice(None)]
 
@@ -53,7 +55,7 @@ def _rows(t: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
 def _project(x, weight, bias, rows: Rows) -> torch.Tensor:
     """A chunk's projection ``[b, s, N, P, H, D]``."""
     P, H, D, C = weight.shape
-    xr = x[rows]
+    xr = _rows(x, rows)
     return torch.nn.functional.linear(
         xr, weight.reshape(-1, C), bias.reshape(-1) if bias is not None else None
     ).view(*xr.shape[:-1], P, H, D)
@@ -113,7 +115,8 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         for rows in ctx.chunks:
             qkv = _project(x, weight, bias, rows)
             inp, gate = _kernel_inputs(qkv, mask, pb, rows)
-            _, *chunk_stats = evoflash_fwd(inp, ctx.scale, False, gate, out=o[rows])
+            _, *chunk_stats = evoflash_fwd(inp, ctx.scale, False, gate,
+                                           out=_rows(o, rows))
             stats += chunk_stats
         # One chunk: its projection is kept (recomputing it would only cost time), on
         # ctx rather than saved, so that the backward can free it before the input
@@ -147,18 +150,18 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
             # layout (the gate's even when only the pair bias needs a gradient)
             dqkv = torch.empty_like(qkv)
             _, _, _, dpb_rows = evoflash_bwd(
-                inp, do[rows], o[rows], *stats[4 * i:4 * i + 4], ctx.scale, False,
-                ctx.deterministic, need_proj, need_proj, need_pb, gate,
-                dqkv.unbind(3), dbias_dtype=torch.float32 if several else None,
+                inp, _rows(do, rows), _rows(o, rows), *stats[4 * i:4 * i + 4],
+                ctx.scale, False, ctx.deterministic, need_proj, need_proj, need_pb,
+                gate, dqkv.unbind(3), dbias_dtype=torch.float32 if several else None,
             )
             del qkv, inp, gate
             grad = dqkv.view(-1, w2d.shape[0])
             if need_x and several:
-                torch.mm(grad, w2d, out=dx[rows].view(-1, C))
+                torch.mm(grad, w2d, out=_rows(dx, rows).view(-1, C))
             elif need_x:
                 dx = torch.mm(grad, w2d).view(x.shape)
             if need_w:
-                dw = _add(dw, grad.t() @ x[rows].reshape(-1, C), several)
+                dw = _add(dw, grad.t() @ _rows(x, rows).reshape(-1, C), several)
             if need_b:
                 db = _add(db, grad.sum(0, dtype=torch.float32), several)
             if need_pb and several:
