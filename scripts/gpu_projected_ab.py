@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -64,22 +63,17 @@ def _variants():
 
 def _measure(fn, inputs) -> tuple[float, float, float]:
     """(wall ms per pipelined call, CUDA ms of one call, peak MiB above inputs)."""
+    from of3_megafold.bench.common import peak_mib_of_call, wall_ms_per_call
+
     x, w, z, mask, do = inputs
 
     def call():
         fn(x, w, z, mask).backward(do)
         x.grad = w.grad = z.grad = None
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
+    wall = wall_ms_per_call(call, CALLS, warmup=3)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
-    begun = time.perf_counter()
-    for _ in range(CALLS):
-        call()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - begun) / CALLS * 1e3
     gpu = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -88,11 +82,7 @@ def _measure(fn, inputs) -> tuple[float, float, float]:
         end.record()
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end))
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    call()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return wall, statistics.median(gpu), peak
+    return wall, statistics.median(gpu), peak_mib_of_call(call)
 
 
 def main() -> int:

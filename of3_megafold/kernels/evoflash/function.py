@@ -410,12 +410,12 @@ def evoflash_bwd(
     bias_s = S if inp.bias_per_s else 1
     direct = need_dbias and not _broadcast_dims(inp.bias_shape, (B, bias_s, H, N, N))
     out_dtype = dbias_dtype or (inp.bias.dtype if need_dbias else None)
-    dbias_dtype = out_dtype if direct else torch.float32
+    written_dtype = out_dtype if direct else torch.float32
     if reduce_over_s:
         splits = _dbias_splits(inp, q.device)
         s_chunk = cdiv(S, splits)
         splits = cdiv(S, s_chunk)
-        dbias = torch.empty((B, 1, H, N, N), dtype=dbias_dtype, device=q.device)
+        dbias = torch.empty((B, 1, H, N, N), dtype=written_dtype, device=q.device)
         part = (dbias.view(1, B, H, N, N) if splits == 1 else
                 torch.empty((splits, B, H, N, N), dtype=torch.float32, device=q.device))
         dq_acc = (torch.zeros((B, S, N, H, D), dtype=torch.float32, device=q.device)
@@ -452,7 +452,7 @@ def evoflash_bwd(
             dq = (grads[0] if grads is not None else
                   torch.empty((B, S, N, H, D), dtype=q.dtype, device=q.device))
         if store_ds:
-            dbias = torch.empty((B, bias_s, H, N, N), dtype=dbias_dtype,
+            dbias = torch.empty((B, bias_s, H, N, N), dtype=written_dtype,
                                 device=q.device)
             db_strides = dbias.stride()[:4]
         else:

@@ -61,10 +61,13 @@ def _project(x, weight, bias, rows: Rows) -> torch.Tensor:
     ).view(*xr.shape[:-1], P, H, D)
 
 
-def _kernel_inputs(qkv, mask, pair_bias, rows: Rows):
-    """A chunk's checked kernel inputs and its gate (None when ungated)."""
+def _kernel_inputs(qkv, mask, pair_bias, rows: Rows, checked: _Inputs | None = None):
+    """A chunk's kernel inputs and its gate (None when ungated): checked here, or
+    the forward's ``checked`` ones (kept without tensors) given these tensors."""
     q, k, v, *gate = qkv.unbind(3)
-    inp = _Inputs(q, k, v, _rows(mask, rows), _rows(pair_bias, rows))
+    mask, pair_bias = _rows(mask, rows), _rows(pair_bias, rows)
+    inp = (_Inputs(q, k, v, mask, pair_bias) if checked is None
+           else checked.with_tensors(q, k, v, mask, pair_bias))
     return inp, gate[0] if gate else None
 
 
@@ -74,6 +77,14 @@ def _add(total: torch.Tensor | None, part: torch.Tensor, several: bool) -> torch
         return part
     part = part.float()
     return part if total is None else total.add_(part)
+
+
+def _finish(total: torch.Tensor | None, like: torch.Tensor, shape) -> torch.Tensor:
+    """A gradient summed over the chunks in ``like``'s dtype and ``shape`` (zeros
+    when no chunk ran: an empty output)."""
+    if total is None:
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return total.to(like.dtype).reshape(shape)
 
 
 class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
@@ -111,10 +122,11 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         o = x.new_empty((B, S, N, H, D))
         ctx.chunks = chunks(B, S, N * weight.shape[:3].numel() * x.element_size()
                             ) if o.numel() else []
-        stats, qkv = [], None
+        stats, qkv, ctx.inputs = [], None, []
         for rows in ctx.chunks:
             qkv = _project(x, weight, bias, rows)
             inp, gate = _kernel_inputs(qkv, mask, pb, rows)
+            ctx.inputs.append(inp.with_tensors(None, None, None, None, None))
             _, *chunk_stats = evoflash_fwd(inp, ctx.scale, False, gate,
                                            out=_rows(o, rows))
             stats += chunk_stats
@@ -145,7 +157,7 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         for i, rows in enumerate(ctx.chunks):
             qkv = kept if kept is not None else _project(x, weight, bias, rows)
             kept = None
-            inp, gate = _kernel_inputs(qkv, mask, pb, rows)
+            inp, gate = _kernel_inputs(qkv, mask, pb, rows, ctx.inputs[i])
             # dQ, dK, dV and the gate gradient land in one tensor of the projection's
             # layout (the gate's even when only the pair bias needs a gradient)
             dqkv = torch.empty_like(qkv)
@@ -169,15 +181,9 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
             elif need_pb:
                 dpb = dpb_rows
             del dqkv, grad
-        if need_w:
-            dw = (dw if dw is not None else torch.zeros_like(weight)).to(
-                weight.dtype).view(weight.shape)
-        if need_b:
-            db = (db if db is not None else torch.zeros_like(bias)).to(
-                bias.dtype).view(bias.shape)
-        if need_pb:
-            dpb = (dpb if dpb is not None else torch.zeros_like(pb)).to(
-                pb.dtype).reshape(ctx.bias_shape)
+        dw = _finish(dw, weight, weight.shape) if need_w else None
+        db = _finish(db, bias, bias.shape) if need_b else None
+        dpb = _finish(dpb, pb, ctx.bias_shape) if need_pb else None
         return dx, dw, db, None, dpb, None, None
 
 
