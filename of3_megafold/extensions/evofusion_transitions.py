@@ -24,6 +24,12 @@ math under activation checkpointing instead: the forward keeps only the inputs a
 the backward recomputes the transition with OF3's fp32 GEMMs. The kernels take fp32
 too, but with IEEE dots they run on CUDA cores; on the H200 they cost 1.7 s more per
 384-token training step than OF3's GEMMs (docs/benchmarks.md, "Full training step").
+A ``SwiGLUTransition`` whose fp32 hidden activations exceed
+:data:`RECOMPUTE_CHUNK_BYTES` is recomputed in chunks of its dim -3 (rows of the pair
+representation), each chunk under its own checkpoint, so its backward holds one
+chunk's hidden activations at a time. OF3 trains its confidence head in fp32: at 1472
+tokens that head's pair transition held about 30 GiB in its backward, the training
+step's memory peak.
 """
 
 from __future__ import annotations
@@ -74,11 +80,55 @@ def _path(module: Any, x) -> str:
     return "kernel"
 
 
+# Most fp32 hidden activations (``[rows, n*c]``, one of SwiGLU's two halves) that
+# one checkpointed chunk of a recomputed SwiGLUTransition may produce.
+RECOMPUTE_CHUNK_BYTES = 256 * 2**20
+
+
 def _recomputed(original, *args):
     """``original(*args)`` keeping only its inputs for the backward."""
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(original, *args, use_reentrant=False)
+
+
+def _recompute_step(module: Any, x) -> int | None:
+    """Slices of ``x``'s dim -3 per checkpointed chunk of ``module``'s recomputed
+    transition, or None for one checkpoint over all of ``x`` (at most
+    :data:`RECOMPUTE_CHUNK_BYTES` of hidden activations, or fewer than 3 dims)."""
+    if x.dim() < 3:
+        return None
+    hidden = module.swiglu.linear_a.out_features
+    slice_bytes = x[..., 0].numel() // x.shape[-3] * hidden * 4  # computed in fp32
+    if slice_bytes * x.shape[-3] <= RECOMPUTE_CHUNK_BYTES:
+        return None
+    return max(1, RECOMPUTE_CHUNK_BYTES // slice_bytes)
+
+
+def _recomputed_in_chunks(original, module: Any, x, mask):
+    """``original(module, x, mask)`` (x ``[*, A, R, c]``, mask broadcastable to
+    ``[*, A, R, 1]``) keeping only its inputs for the backward, as checkpointed
+    chunks of dim -3 when one would hold more than :data:`RECOMPUTE_CHUNK_BYTES` of
+    hidden activations: the backward then recomputes and differentiates one chunk
+    at a time. Per row the math is OF3's; the weights' gradients are sums over the
+    chunks."""
+    import torch
+
+    step = _recompute_step(module, x)
+    rows = (*x.shape[:-1], 1)
+    if step is None or torch.broadcast_shapes(mask.shape, rows) != rows:
+        return _recomputed(original, module, x, mask)
+    mask = mask.expand(*x.shape[:-1], mask.shape[-1])
+    chunks = [
+        _recomputed(
+            original,
+            module,
+            x.narrow(-3, start, min(step, x.shape[-3] - start)),
+            mask.narrow(-3, start, min(step, x.shape[-3] - start)),
+        )
+        for start in range(0, x.shape[-3], step)
+    ]
+    return torch.cat(chunks, dim=-3)
 
 
 def _patch_swiglu_transition(original):
@@ -87,7 +137,7 @@ def _patch_swiglu_transition(original):
         if path == "of3":
             return original(self, x, mask)
         if path == "recompute":
-            return _recomputed(original, self, x, mask)
+            return _recomputed_in_chunks(original, self, x, mask)
         from of3_megafold.kernels.swiglu_transition import swiglu_transition
 
         swiglu, norm = self.swiglu, self.layer_norm

@@ -129,6 +129,54 @@ def test_fp32_transitions_recompute_of3(kit, kernel_calls):
     assert kernel_calls == []
 
 
+@pytest.mark.parametrize(
+    ("shape", "mask_shape", "chunks"),
+    [
+        ((1, 7, 5, 8), (1, 7, 5), 3),  # 3 slices of dim -3 per chunk: 3 + 3 + 1
+        ((2, 7, 5, 8), (1, 7, 5), 3),  # a mask broadcast over the batch
+        ((1, 7, 5, 8), (5,), 3),  # a mask broadcast over dim -3
+        ((2, 7, 5, 8), (3, 2, 7, 5), 1),  # a mask that widens x: one checkpoint
+        ((7, 8), (7,), 1),  # fewer than 3 dims: one checkpoint
+    ],
+)
+def test_large_fp32_transition_recomputes_in_chunks(
+    kit, kernel_calls, monkeypatch, shape, mask_shape, chunks
+):
+    """Above RECOMPUTE_CHUNK_BYTES of hidden activations, the recomputed fp32
+    transition runs as checkpointed chunks of dim -3, each within the budget: OF3's
+    output and gradients to fp32 rounding, nothing but the inputs kept."""
+    from openfold3.core.model.layers.transition import SwiGLUTransition
+
+    from of3_megafold.extensions import evofusion_transitions as ext
+
+    module = _randomize(SwiGLUTransition(c_in=8, n=4), 3)
+    hidden = module.swiglu.linear_a.out_features
+    rows_per_slice = 5 if len(shape) > 2 else 1
+    budget = 3 * rows_per_slice * shape[0] * hidden * 4  # 3 slices of dim -3
+    monkeypatch.setattr(ext, "RECOMPUTE_CHUNK_BYTES", budget)
+    sliced = []
+    recomputed = ext._recomputed
+
+    def counted(original, mod, x, mask):
+        sliced.append(x.shape[-3] if x.dim() >= 3 else None)
+        return recomputed(original, mod, x, mask)
+
+    monkeypatch.setattr(ext, "_recomputed", counted)
+    torch.manual_seed(4)
+    inputs = {"x": torch.randn(shape), "mask": (torch.rand(mask_shape) > 0.3).float()}
+    grad_out = torch.randn(module(**inputs).shape)
+    stock = _run(module, inputs, grad_out)
+    _force()
+    kit_ = _run(module, inputs, grad_out)
+    activate()
+    assert len(sliced) == chunks
+    if chunks > 1:
+        assert sliced == [3, 3, 1]
+    for s, k in zip(stock, kit_, strict=True):
+        torch.testing.assert_close(k, s, rtol=1e-5, atol=1e-6)
+    assert kernel_calls == []
+
+
 def test_swiglu_transition_reads_model_settings(kit, kernel_calls):
     from openfold3.core.model.layers.transition import SwiGLUTransition
 
