@@ -245,14 +245,18 @@ def test_layer_norm_on_16_bit_inputs(kit, interpreted_kernels, monkeypatch):
 
     calls = []
     apply = kernels.LayerNormFunction.apply
-    monkeypatch.setattr(kernels.LayerNormFunction, "apply",
-                        lambda *args: calls.append(args[0].dtype) or apply(*args))
+    monkeypatch.setattr(
+        kernels.LayerNormFunction,
+        "apply",
+        lambda *args: calls.append(args[0].dtype) or apply(*args),
+    )
     module = _randomize(LayerNorm(24), 9)
     torch.manual_seed(2)
     x = torch.randn(2, 7, 24) * 2 + 1
     grad_out = torch.randn(2, 7, 24)
-    reference = _run(copy.deepcopy(module).double(), {"x": x.double()},
-                     grad_out.double())
+    reference = _run(
+        copy.deepcopy(module).double(), {"x": x.double()}, grad_out.double()
+    )
     for dtype in (torch.bfloat16, torch.float16):
         stock = _run(module, {"x": x.to(dtype)}, grad_out)
         _force()
@@ -271,4 +275,3 @@ def test_layer_norm_on_16_bit_inputs(kit, interpreted_kernels, monkeypatch):
     activate()
     assert all(torch.equal(s, k) for s, k in zip(stock, kit_, strict=True))
     assert calls == [torch.bfloat16, torch.float16]
-
