@@ -329,12 +329,12 @@ def test_projected_in_chunks(case, device, monkeypatch):
                         lambda *a: projections.append(1) or project(*a))
     one = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
     one.backward(do, retain_graph=True)
-    assert len(projections) == 1  # one chunk: kept for the backward
+    assert len(projections) == 1  # one chunk: saved for the backward
     grads = [t.grad.clone() for t in (x, w, b, pair_bias)]
     for t in (x, w, b, pair_bias):
         t.grad = None
-    one.backward(do)  # a second backward recomputes it
-    assert len(projections) == 2
+    one.backward(do)  # a second backward (retain_graph) uses it again
+    assert len(projections) == 1
     for t, g in zip((x, w, b, pair_bias), grads, strict=True):
         assert torch.equal(t.grad, g)
     slice_bytes = case.N * case.projected * case.H * case.D * x.element_size()
@@ -347,6 +347,46 @@ def test_projected_in_chunks(case, device, monkeypatch):
     assert len(projections) == 2 * chunks  # recomputed in the backward
     assert torch.equal(many, one)
     check_case(case, device, seed=15)
+
+
+def test_projected_projection_dropped_under_checkpointing(device, monkeypatch):
+    """Under activation checkpointing (OF3 checkpoints its pairformer blocks) no
+    projection outlives the forward: the one-chunk projection is saved through
+    save_for_backward, which the checkpoint drops and recomputes. Without a
+    checkpoint it is kept until the backward."""
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    case = PROJECTED_CHUNK_CASES[0]
+    x, w, b, mask_bias, pair_bias, do = make_inputs(case, device, seed=16)
+    alive = []
+    project = projected._project
+
+    def tracked(*args):
+        qkv = project(*args)
+        alive.append(weakref.ref(qkv))
+        return qkv
+
+    monkeypatch.setattr(projected, "_project", tracked)
+
+    def call(x):
+        return evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
+
+    plain = call(x)
+    assert [r() is not None for r in alive] == [True]
+    plain.backward(do)
+    grads = [t.grad.clone() for t in (x, w, b, pair_bias)]
+    for t in (x, w, b, pair_bias):
+        t.grad = None
+    alive.clear()
+    out = checkpoint(call, x, use_reentrant=False)
+    assert len(alive) == 1 and alive[0]() is None
+    out.backward(do)  # the recompute projects again
+    assert len(alive) == 2
+    assert torch.equal(out, plain)
+    for t, g in zip((x, w, b, pair_bias), grads, strict=True):
+        assert torch.equal(t.grad, g)
 
 
 @pytest.mark.parametrize("wanted", ["x", "weights", "pair_bias"])

@@ -11,7 +11,8 @@ chunk. Peak memory then holds one chunk's projection and its gradient (about
 :data:`CHUNK_BYTES` each) instead of the whole ``[B, S, N, P, H, D]`` pair: at
 triangle attention N=1024 (4 heads x 32, gated) those are 1 GiB each in bf16. The
 price is one more projection GEMM per chunk. A projection that fits in one chunk is
-kept for the backward, as a plain autograd graph would.
+saved for the backward, as a plain autograd graph would (so activation
+checkpointing drops it).
 """
 
 from __future__ import annotations
@@ -130,24 +131,26 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
             _, *chunk_stats = evoflash_fwd(inp, ctx.scale, False, gate,
                                            out=_rows(o, rows))
             stats += chunk_stats
-        # One chunk: its projection is kept (recomputing it would only cost time), on
-        # ctx rather than saved, so that the backward can free it before the input
-        # gradient is allocated. A second backward (retain_graph) recomputes it.
-        ctx.kept = qkv if len(ctx.chunks) == 1 else None
-        ctx.save_for_backward(x, weight, bias, mask, pb, o, *stats)
+        # One chunk: its projection is saved (recomputing it would only cost time).
+        # Saved, not kept on ctx: activation checkpointing (OF3 checkpoints its
+        # pairformer blocks) drops only what goes through save_for_backward, and a
+        # projection on ctx outlived the checkpoint (session 23: +15.7 GiB in a
+        # 384-token training step). The cost is a higher backward peak outside
+        # checkpointing: the input gradient is allocated while the projection lives.
+        kept = qkv if len(ctx.chunks) == 1 else None
+        ctx.save_for_backward(x, weight, bias, mask, pb, o, kept, *stats)
         return o
 
     @staticmethod
     def _backward(ctx, do):
-        x, weight, bias, mask, pb, o, *stats = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
+        x, weight, bias, mask, pb, o, kept, *stats = ctx.saved_tensors
         need_x, need_w, need_b, _, need_pb = ctx.needs_input_grad[:5]
         need_proj = need_x or need_w or need_b
         several = len(ctx.chunks) > 1
         C = x.shape[-1]
         w2d = weight.reshape(-1, C)
         dx = None
-        if need_x and several:  # one chunk: allocated once its projection is freed
+        if need_x and several:  # one chunk: allocated by its GEMM
             dx = torch.empty_like(x)
         elif need_x and not ctx.chunks:  # an empty output
             dx = torch.zeros_like(x)
@@ -156,7 +159,6 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
             dpb = torch.zeros(pb.shape, dtype=torch.float32, device=pb.device)
         for i, rows in enumerate(ctx.chunks):
             qkv = kept if kept is not None else _project(x, weight, bias, rows)
-            kept = None
             inp, gate = _kernel_inputs(qkv, mask, pb, rows, ctx.inputs[i])
             # dQ, dK, dV and the gate gradient land in one tensor of the projection's
             # layout (the gate's even when only the pair bias needs a gradient)
