@@ -18,9 +18,11 @@ One generic plotter for every benchmark, keyed on the row fields:
 - one row of panels per combination of the other text fields that vary (a case
   name, ``mode``, ``config``, the GPU when rows come from several).
 
-Rows without a time (out-of-memory rows, search summaries) are left out. When a
-point was measured several times, the newest row (by ``date``) wins. Missing or
-empty files are reported and skipped, never an error.
+Rows without a time (out-of-memory rows, search summaries) are left out, and so are
+rows with a ``superseded_by`` field: measurements of a defect that a later commit
+fixed (the field names it and says why), kept in the JSON as the record of what was
+measured. When a point was measured several times, the newest row (by ``date``)
+wins. Missing or empty files are reported and skipped, never an error.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ IDENTITY_FIELDS = frozenset(
         "matmul_precision",
         "permutation_alignment",
         "note",
+        "superseded_by",
     }
 )
 # Measured or derived values: never a reason to split rows into panels.
@@ -232,7 +235,11 @@ def prepare(
     of ``(field, value)`` pairs. A point measured more than once keeps its newest
     row.
     """
-    timed = [row for row in rows if _is_number(row.get("ms"))]
+    timed = [
+        row
+        for row in rows
+        if _is_number(row.get("ms")) and not row.get("superseded_by")
+    ]
     if not timed:
         return x_field or "", {}
     x_field = choose_x_field(timed, x_field)

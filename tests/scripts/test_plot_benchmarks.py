@@ -109,6 +109,25 @@ def test_step_rows_are_grouped_by_mode_and_provider(plotter, bench_dir):
     assert probes == {"stock-triton": [(1280.0, 70100.0, 120.3 * 1024)]}
 
 
+def test_superseded_rows_are_not_plotted(plotter):
+    """A row measuring a defect fixed since (``superseded_by``) stays in the JSON
+    but not in the plot, even when it is the newest at its point."""
+    rows = [
+        {"provider": "kit", "n_token": 384, "ms": 4000.0, "date": "1"},
+        {"provider": "kit", "n_token": 768, "ms": 9000.0, "date": "1"},
+        {
+            "provider": "kit",
+            "n_token": 384,
+            "ms": 5300.0,
+            "date": "2",
+            "superseded_by": "abc1234: a leak",
+        },
+    ]
+    x_field, groups = plotter.prepare(rows)
+    assert x_field == "n_token"
+    assert groups[()]["kit"] == [(384.0, 4000.0, None), (768.0, 9000.0, None)]
+
+
 def test_x_field_is_detected_or_chosen(plotter, bench_dir):
     rows = plotter.load_rows(bench_dir / "smooth_lddt.json")
     x_field, groups = plotter.prepare(rows)
