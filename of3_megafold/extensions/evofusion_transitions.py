@@ -95,8 +95,9 @@ def _recomputed(original, *args):
 def _recompute_step(module: Any, x) -> int | None:
     """Slices of ``x``'s dim -3 per checkpointed chunk of ``module``'s recomputed
     transition, or None for one checkpoint over all of ``x`` (at most
-    :data:`RECOMPUTE_CHUNK_BYTES` of hidden activations, or fewer than 3 dims)."""
-    if x.dim() < 3:
+    :data:`RECOMPUTE_CHUNK_BYTES` of hidden activations, fewer than 3 dims, or
+    empty)."""
+    if x.dim() < 3 or x.numel() == 0:
         return None
     hidden = module.swiglu.linear_a.out_features
     slice_bytes = x[..., 0].numel() // x.shape[-3] * hidden * 4  # computed in fp32

@@ -137,6 +137,7 @@ def test_fp32_transitions_recompute_of3(kit, kernel_calls):
         ((1, 7, 5, 8), (5,), 3),  # a mask broadcast over dim -3
         ((2, 7, 5, 8), (3, 2, 7, 5), 1),  # a mask that widens x: one checkpoint
         ((7, 8), (7,), 1),  # fewer than 3 dims: one checkpoint
+        ((1, 0, 5, 8), (1, 0, 5), 1),  # empty: one checkpoint
     ],
 )
 def test_large_fp32_transition_recomputes_in_chunks(
