@@ -99,8 +99,8 @@ def _recompute_step(module: Any, x) -> int | None:
     empty)."""
     if x.dim() < 3 or x.numel() == 0:
         return None
-    hidden = module.swiglu.linear_a.out_features
-    slice_bytes = x[..., 0].numel() // x.shape[-3] * hidden * 4  # computed in fp32
+    rows_per_slice = x.numel() // (x.shape[-1] * x.shape[-3])
+    slice_bytes = rows_per_slice * module.swiglu.linear_a.out_features * 4  # fp32
     if slice_bytes * x.shape[-3] <= RECOMPUTE_CHUNK_BYTES:
         return None
     return max(1, RECOMPUTE_CHUNK_BYTES // slice_bytes)
@@ -119,15 +119,10 @@ def _recomputed_in_chunks(original, module: Any, x, mask):
     rows = (*x.shape[:-1], 1)
     if step is None or torch.broadcast_shapes(mask.shape, rows) != rows:
         return _recomputed(original, module, x, mask)
-    mask = mask.expand(*x.shape[:-1], mask.shape[-1])
+    masks = mask.expand(*x.shape[:-1], mask.shape[-1]).split(step, dim=-3)
     chunks = [
-        _recomputed(
-            original,
-            module,
-            x.narrow(-3, start, min(step, x.shape[-3] - start)),
-            mask.narrow(-3, start, min(step, x.shape[-3] - start)),
-        )
-        for start in range(0, x.shape[-3], step)
+        _recomputed(original, module, xs, ms)
+        for xs, ms in zip(x.split(step, dim=-3), masks, strict=True)
     ]
     return torch.cat(chunks, dim=-3)
 

@@ -93,7 +93,7 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
 
     Saves ``x``, the weights, the mask, the (contiguous) pair bias, the gated
     output and per chunk the row statistics, slice flags and key-mask ranges, and
-    keeps the projection when it is one chunk. The mask gets no gradient."""
+    the projection when it is one chunk. The mask gets no gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask_bias, pair_bias, scale, deterministic):
