@@ -320,7 +320,9 @@ PROJECTED_CHUNK_CASES = [
 def test_projected_in_chunks(case, device, monkeypatch):
     """In chunks of two S slices (the backward recomputes each chunk's projection
     and sums the weight, bias and pair-bias gradients over the chunks in fp32) the
-    projected call passes the fp64 rule, and its output is the one-chunk call's."""
+    projected call passes the fp64 rule, and its output is the one-chunk call's
+    (bit for bit under the interpreter's fixed configs; on a GPU a one-slice chunk
+    has its own autotuning key, so a config whose key blocks sum in another order)."""
     _with_mask_ranges(case, monkeypatch)
     x, w, b, mask_bias, pair_bias, do = make_inputs(case, device, seed=14)
     projections = []
@@ -345,7 +347,10 @@ def test_projected_in_chunks(case, device, monkeypatch):
     many = evoflash_attention_projected(x, w, b, mask_bias, pair_bias)
     many.backward(do)
     assert len(projections) == 2 * chunks  # recomputed in the backward
-    assert torch.equal(many, one)
+    if configs.INTERPRET:  # fixed configs: the chunks run the one-chunk arithmetic
+        assert torch.equal(many, one)
+    else:  # a chunk of one slice is another S bucket, tuned apart (block sizes)
+        torch.testing.assert_close(many, one, **fp32_tol(0, 0))
     check_case(case, device, seed=15)
 
 
