@@ -11,7 +11,9 @@ with 1024 MSA rows and 4 templates, at 384 and 768 tokens (one warm-up step, the
 Then, once every provider is timed, the largest trainable crop of each: one step
 per size on ``--ladder``, starting near the known limits (baseline table D in
 docs/benchmarks.md: 768 stock, 1280 OF3 Triton) and walking up until out of memory
-(or down until a size fits).
+(or down until a size fits). Each probe runs in a new process, as a training run at
+that crop would (``--same-process-probes``: one model per search; on the H200 a
+probe after another then ran out of memory at a size a fresh process fitted).
 
 Time on an H200, from table D: timing ~1.5 min per provider (384: 4 x ~7.5 s, 768:
 3 x ~20 s), then the searches: stock ~20 s (1024 runs out of memory), stock-triton
@@ -64,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ladder", type=_ints, default=[768, 1024, 1280, 1536])
     parser.add_argument("--no-max-crop", action="store_true")
+    parser.add_argument(
+        "--same-process-probes",
+        action="store_true",
+        help="run a provider's max-crop probes on one model in this process (each "
+        "probe then inherits the allocator's state from the one before) instead of "
+        "one new process per probe",
+    )
     parser.add_argument(
         "--num-recycles",
         type=int,
@@ -124,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         max_crop_start=MAX_CROP_START,
         launch_tokens=args.launch_tokens,
         num_recycles=args.num_recycles,
+        fresh_probes=not args.same_process_probes,
     )
     print(format_table(rows))
     print(

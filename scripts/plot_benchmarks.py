@@ -67,6 +67,7 @@ IDENTITY_FIELDS = frozenset(
         "permutation_alignment",
         "note",
         "superseded_by",
+        "probe_process",
     }
 )
 # Measured or derived values: never a reason to split rows into panels.

@@ -41,11 +41,13 @@ OF3's first training draw: 3 recycles with the default ``sync_seed`` 0. Pass
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import functools
 import logging
 import math
+import multiprocessing
 import random
 import statistics
 import time
@@ -505,6 +507,16 @@ class TrainingStepHarness:
     def no_samples(self) -> int:
         return int(self.config.architecture.shared.diffusion.no_samples)
 
+    def identity(self) -> dict[str, Any]:
+        """The fields that name this harness in a row (:func:`_row`)."""
+        return {
+            "provider": self.provider,
+            "config": self.config_name,
+            "no_samples": self.no_samples,
+            "precision": self.precision,
+            "params_m": round(self.params_m, 2),
+        }
+
     def _autocast(self):
         if self.amp_dtype is None:
             return contextlib.nullcontext()
@@ -607,7 +619,7 @@ class TrainingStepHarness:
 
 
 def _row(
-    harness: TrainingStepHarness,
+    identity: Mapping[str, Any],
     mode: str,
     n_token: int,
     n_msa: int,
@@ -615,17 +627,19 @@ def _row(
     metadata: dict,
     **fields: Any,
 ) -> dict[str, Any]:
+    """A JSON row: ``identity`` (:meth:`TrainingStepHarness.identity`), the case,
+    the measured ``fields`` and the environment ``metadata``."""
     return {
         "bench": "step",
         "mode": mode,
-        "provider": harness.provider,
-        "config": harness.config_name,
+        "provider": identity["provider"],
+        "config": identity["config"],
         "n_token": n_token,
         "n_msa": n_msa,
         "n_templ": n_templ,
-        "no_samples": harness.no_samples,
-        "precision": harness.precision,
-        "params_m": round(harness.params_m, 2),
+        "no_samples": identity["no_samples"],
+        "precision": identity["precision"],
+        "params_m": identity["params_m"],
         "matmul_precision": torch.get_float32_matmul_precision(),
         **fields,
         **metadata,
@@ -773,6 +787,7 @@ def run_step_bench(
     launch_tokens: Collection[int] | None = None,
     num_recycles: int | None = None,
     device: torch.device | str | None = None,
+    fresh_probes: bool = True,
 ) -> list[dict[str, Any]]:
     """Time training steps for each provider and crop size; append rows to JSON.
 
@@ -801,6 +816,12 @@ def run_step_bench(
             each); ``None`` = every size in ``tokens``. Only on CUDA.
         num_recycles: Fixed recycle count; ``None`` = OF3's first training draw.
         device: ``None`` = CUDA if available, else CPU.
+        fresh_probes: Run each max-crop probe in a new process (its own model,
+            CUDA context and caching allocator), as a training run at that crop
+            starts; ``False``: one model and process per search, where a probe
+            inherits the allocator's state from the one before (on the H200 in
+            session 24, 1728 tokens ran out of memory after a 1664 probe and fitted
+            at 122.5 GiB in a fresh process).
 
     Returns:
         The rows written: ``mode`` is ``step`` (timed sizes), ``max_crop_probe``
@@ -858,26 +879,122 @@ def run_step_bench(
                 )
                 decided = too_big if fields["oom"] or "error" in fields else fits
                 decided[provider].append(n_token)
-                emit(_row(harness, "step", n_token, n_msa, n_templ, metadata, **fields))
+                emit(
+                    _row(
+                        harness.identity(),
+                        "step",
+                        n_token,
+                        n_msa,
+                        n_templ,
+                        metadata,
+                        **fields,
+                    )
+                )
                 _log_row(rows[-1])
     for provider in providers if max_crop else ():
-        with harness_for(provider) as harness:
-            _run_max_crop(
-                harness,
+        search = functools.partial(
+            _run_max_crop,
+            provider,
+            n_msa=n_msa,
+            n_templ=n_templ,
+            ladder=max_crop_ladder,
+            start=(max_crop_start or {}).get(provider),
+            fits=fits[provider],
+            too_big=too_big[provider],
+            metadata=metadata,
+            emit=emit,
+        )
+        if fresh_probes:
+            spec = _ProbeSpec(
+                config,
+                provider,
+                str(device),
+                num_recycles,
                 n_msa,
                 n_templ,
-                max_crop_ladder,
-                (max_crop_start or {}).get(provider),
-                fits[provider],
-                too_big[provider],
-                metadata,
-                emit,
+                logging.getLogger().getEffectiveLevel(),
             )
+
+            def identity(provider=provider) -> dict[str, Any]:
+                with harness_for(provider) as harness:
+                    return harness.identity()
+
+            search(
+                measure=functools.partial(_probe_in_fresh_process, spec),
+                identity=identity,
+                process="fresh",
+            )
+            continue
+        with harness_for(provider) as harness:
+
+            def measure(n_token: int, harness=harness) -> tuple[dict, dict]:
+                fields = _measure(
+                    harness, n_token, n_msa, n_templ, 0, 1, count_launches=False
+                )
+                return harness.identity(), fields
+
+            search(measure=measure, identity=harness.identity, process="same")
     return rows
 
 
+@dataclass(frozen=True)
+class _ProbeSpec:
+    """What a max-crop probe in a fresh process builds (:func:`_fresh_probe`)."""
+
+    config: str
+    provider: str
+    device: str
+    num_recycles: int | None
+    n_msa: int
+    n_templ: int
+    log_level: int
+
+
+def _fresh_probe(spec: _ProbeSpec, n_token: int) -> tuple[dict, dict]:
+    """In a spawned process: build the provider's harness, run one step at
+    ``n_token`` tokens; its identity and row fields (:func:`_measure`)."""
+    logging.basicConfig(
+        level=spec.log_level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
+    harness = TrainingStepHarness(
+        spec.config, spec.provider, spec.device, num_recycles=spec.num_recycles
+    )
+    try:
+        fields = _measure(
+            harness, n_token, spec.n_msa, spec.n_templ, 0, 1, count_launches=False
+        )
+        return harness.identity(), fields
+    finally:
+        harness.close()
+
+
+def _probe_in_fresh_process(
+    spec: _ProbeSpec, n_token: int, target: Callable = _fresh_probe
+) -> tuple[dict, dict]:
+    """``target(spec, n_token)`` (:func:`_fresh_probe`) in a new Python process
+    (``spawn``: its own CUDA context and caching allocator, as a training run at one
+    crop size has), waited for.
+
+    Raises:
+        RuntimeError: the process died without a result (e.g. killed by the host's
+            out-of-memory killer); a CUDA out-of-memory error is a result.
+    """
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        try:
+            return pool.submit(target, spec, n_token).result()
+        except concurrent.futures.BrokenExecutor as error:
+            raise RuntimeError(
+                f"the {spec.provider} probe at {n_token} tokens died in its process "
+                "without a result"
+            ) from error
+
+
 def _run_max_crop(
-    harness: TrainingStepHarness,
+    provider: str,
+    measure: Callable[[int], tuple[Mapping[str, Any], dict]],
+    identity: Callable[[], Mapping[str, Any]],
+    process: str,
     n_msa: int,
     n_templ: int,
     ladder: Sequence[int],
@@ -887,15 +1004,23 @@ def _run_max_crop(
     metadata: dict,
     emit: Callable[[dict], None],
 ) -> None:
+    """Search ``provider``'s largest crop (:func:`_search_max_crop`), one
+    ``max_crop_probe`` row per probe and a ``max_crop`` summary row.
+
+    ``measure(n_token)`` runs one probe step: (identity, row fields). ``identity()``
+    names the summary row when no probe ran. ``process``: ``same`` or ``fresh``,
+    written into each row as ``probe_process``."""
+    seen: list[Mapping[str, Any]] = []
+
     def probe(n_token: int) -> bool:
-        logger.info("%s: max-crop probe at %d tokens", harness.provider, n_token)
-        fields = _measure(
-            harness, n_token, n_msa, n_templ, warmup=0, repeats=1, count_launches=False
+        logger.info(
+            "%s: max-crop probe at %d tokens (%s process)", provider, n_token, process
         )
-        emit(
-            _row(harness, "max_crop_probe", n_token, n_msa, n_templ, metadata, **fields)
-        )
-        _log_row(fields | {"provider": harness.provider, "n_token": n_token})
+        who, fields = measure(n_token)
+        seen.append(who)
+        fields["probe_process"] = process
+        emit(_row(who, "max_crop_probe", n_token, n_msa, n_templ, metadata, **fields))
+        _log_row(fields | {"provider": provider, "n_token": n_token})
         return not fields["oom"]
 
     if start is None:
@@ -908,9 +1033,11 @@ def _run_max_crop(
         "max_crop": largest,
         "decided": {str(size): ok for size, ok in sorted(decided.items())},
         "ladder": list(ladder),
+        "probe_process": process,
     }
-    emit(_row(harness, "max_crop", largest, n_msa, n_templ, metadata, **summary))
-    logger.info("%s: largest trainable crop %s", harness.provider, largest)
+    who = seen[-1] if seen else identity()
+    emit(_row(who, "max_crop", largest, n_msa, n_templ, metadata, **summary))
+    logger.info("%s: largest trainable crop %s", provider, largest)
 
 
 def _log_row(row: Mapping[str, Any]) -> None:
@@ -1023,6 +1150,13 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     help="Also search each provider's largest trainable crop.",
 )
 @click.option(
+    "--fresh-probes/--same-process-probes",
+    default=True,
+    show_default=True,
+    help="Run each max-crop probe in a new process (as a training run at that crop "
+    "starts), or all of a provider's probes on one model in this one.",
+)
+@click.option(
     "--launch-tokens",
     callback=_int_list,
     default=None,
@@ -1050,6 +1184,7 @@ def step_command(
     repeats,
     warmup,
     max_crop,
+    fresh_probes,
     launch_tokens,
     num_recycles,
     out_json,
@@ -1066,6 +1201,7 @@ def step_command(
         warmup=warmup,
         out_json=out_json,
         max_crop=max_crop,
+        fresh_probes=fresh_probes,
         launch_tokens=launch_tokens,
         num_recycles=num_recycles,
     )

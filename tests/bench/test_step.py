@@ -160,6 +160,7 @@ def test_max_crop_searches_after_every_provider_is_timed(
         max_crop=True,
         max_crop_ladder=[16, 24, 32, 48],
         device="cpu",
+        fresh_probes=False,  # the simulated limit lives in this process
     )
     # Both providers timed first; then each search starts above what fitted.
     assert probed == [
@@ -179,12 +180,75 @@ def test_max_crop_searches_after_every_provider_is_timed(
         ("chunk", "max_crop", 16, None),
     ]
     assert rows[3]["ms"] is None
+    assert {r["probe_process"] for r in rows[2:]} == {"same"}
     assert rows[4]["max_crop"] == 24
     assert rows[4]["decided"] == {"16": True, "24": True, "32": False}
     assert rows[6]["decided"] == {"16": True, "24": False}
     # Same weights and batch: the chunked provider computes the same step.
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
     assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-4)
+
+
+def test_fresh_process_probe_computes_the_same_step(tmp_path, no_registry):
+    """A probe in a spawned process builds the same weights and batch: its loss and
+    gradient norm are the one-process probe's (the real tiny step, on the CPU)."""
+    common = dict(
+        providers=["stock"],
+        tokens=[],
+        n_msa=8,
+        n_templ=2,
+        config="tiny",
+        out_json=tmp_path / "step.json",
+        max_crop=True,
+        max_crop_ladder=[24],
+        device="cpu",
+    )
+    fresh = step.run_step_bench(**common, fresh_probes=True)
+    same = step.run_step_bench(**common, fresh_probes=False)
+    modes = [(r["mode"], r["n_token"], r["probe_process"]) for r in fresh]
+    assert modes == [("max_crop_probe", 24, "fresh"), ("max_crop", 24, "fresh")]
+    assert fresh[0]["oom"] is False and fresh[1]["decided"] == {"24": True}
+    assert fresh[0]["loss"] == same[0]["loss"]
+    assert fresh[0]["grad_norm"] == same[0]["grad_norm"] > 0
+    assert fresh[0]["params_m"] == same[0]["params_m"]
+
+
+def test_fresh_probes_summary_without_a_probe(tmp_path, no_registry, monkeypatch):
+    """When the timed sizes decide the whole ladder no process is started; the
+    summary row still names the model."""
+    monkeypatch.setattr(
+        step, "_probe_in_fresh_process", lambda *a: pytest.fail("a probe ran")
+    )
+    rows = step.run_step_bench(
+        providers=["stock"],
+        tokens=[16],
+        n_msa=8,
+        n_templ=2,
+        config="tiny",
+        repeats=1,
+        warmup=0,
+        out_json=tmp_path / "step.json",
+        max_crop=True,
+        max_crop_ladder=[16],
+        device="cpu",
+    )
+    summary = rows[-1]
+    assert (summary["mode"], summary["max_crop"]) == ("max_crop", 16)
+    assert summary["params_m"] == rows[0]["params_m"] > 0
+    assert summary["probe_process"] == "fresh"
+
+
+def _exit_without_result(spec, n_token):
+    """Runs in the spawned process: dies as the host's out-of-memory killer would."""
+    import os
+
+    os._exit(9)
+
+
+def test_a_probe_process_that_dies_is_an_error():
+    spec = step._ProbeSpec("tiny", "stock", "cpu", None, 8, 2, 30)
+    with pytest.raises(RuntimeError, match="died in its process"):
+        step._probe_in_fresh_process(spec, 24, target=_exit_without_result)
 
 
 @pytest.mark.parametrize(
