@@ -156,9 +156,10 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
         from of3_megafold.demo.train import DEFAULT_RUNNER_YAML, run_demo_training
 
         demo_yaml = DEFAULT_RUNNER_YAML
+        demo = _overlaid(_load_runner_yaml(DEFAULT_RUNNER_YAML, None, None), overlays)
+        with _user_errors():  # before anything is written or built
+            check_model_update(demo)
         if overlays:
-            demo = _load_runner_yaml(DEFAULT_RUNNER_YAML, None, None)
-            demo = _overlaid(demo, overlays)
             demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
         with _user_errors():
             run_demo_training(

@@ -84,6 +84,27 @@ def test_bad_kit_value_is_one_readable_error(runner_yaml, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_demo_checks_its_overlays_before_writing(tmp_path):
+    """Without --runner-yaml (the demo) a bad kit value fails the same way, before
+    the demo writes its runner YAML or builds its data set."""
+    overlay = _overlay(
+        tmp_path,
+        {
+            "architecture": {
+                "loss_module": {"diffusion": {"smooth_lddt_backend": "nonsense"}}
+            }
+        },
+    )
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(
+        main, ["train", "--overlay", str(overlay), "--output-dir", str(out)]
+    )
+    assert result.exit_code == 1, result.output
+    assert "smooth_lddt_backend" in result.output and "'nonsense'" in result.output
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
 def test_unknown_key_still_fails_as_in_of3(runner_yaml, tmp_path):
     overlay = _overlay(
         tmp_path, {"settings": {"memory": {"train": {"use_evoflash_attentoin": True}}}}
@@ -99,8 +120,10 @@ def test_unknown_key_still_fails_as_in_of3(runner_yaml, tmp_path):
 def test_malformed_yaml_is_one_readable_error(runner_yaml, tmp_path):
     overlay = tmp_path / "broken.yml"
     overlay.write_text("model_update: [1, 2\n")
-    for args in (["--runner-yaml", str(overlay)],
-                 ["--runner-yaml", str(runner_yaml), "--overlay", str(overlay)]):
+    for args in (
+        ["--runner-yaml", str(overlay)],
+        ["--runner-yaml", str(runner_yaml), "--overlay", str(overlay)],
+    ):
         result = CliRunner().invoke(main, ["train", *args])
         assert result.exit_code == 1, result.output
         assert "YAML could not be parsed" in result.output
