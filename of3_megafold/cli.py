@@ -33,7 +33,14 @@ BENCHMARKS = {
 ``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` is the
 training-step harness's own command (:func:`of3_megafold.bench.step.step_command`)."""
 
-DEFAULT_BENCH_DIR = Path("docs") / "benchmarks"
+
+def _default_bench_dir() -> Path:
+    """Where ``bench <module>`` appends rows unless told: the directory of
+    :func:`~of3_megafold.bench.common.benchmark_json`, as ``bench step`` does (the
+    checkout's ``docs/benchmarks``, else the working directory's)."""
+    from of3_megafold.bench.common import benchmark_json
+
+    return benchmark_json("x").parent
 
 
 @contextmanager
@@ -322,8 +329,8 @@ def _module_bench(what: str) -> click.Command:
     @click.option(
         "--out-dir",
         type=click.Path(file_okay=False, path_type=Path),
-        default=DEFAULT_BENCH_DIR,
-        show_default=True,
+        default=_default_bench_dir,
+        show_default="docs/benchmarks of the checkout, else of the working directory",
         help="Rows are appended to <out-dir>/<benchmark>.json.",
     )
     @click.option("--quick", is_flag=True, help="A tiny smoke run (works on CPU).")

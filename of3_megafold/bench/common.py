@@ -72,8 +72,9 @@ def _distribution_version(name: str) -> str | None:
 def _git_commit() -> str | None:
     """Commit of the checkout holding this package, ``+dirty`` if it has edits.
 
-    A copy without ``.git`` (a GPU machine that received the working tree) reads
-    ``OF3_MEGAFOLD_COMMIT``, set by whoever sent the tree.
+    ``OF3_MEGAFOLD_COMMIT``, when set, wins over git: a GPU machine receives the
+    working tree without (or with stale) git metadata, so whoever sends the tree
+    names its commit.
     """
     if os.environ.get("OF3_MEGAFOLD_COMMIT"):
         return os.environ["OF3_MEGAFOLD_COMMIT"]

@@ -1056,26 +1056,6 @@ def _log_row(row: Mapping[str, Any]) -> None:
     )
 
 
-def run(
-    out_json: Path | str | None = None, quick: bool = False
-) -> list[dict[str, Any]]:
-    """The default step benchmark, as ``of3-megafold bench`` runs it.
-
-    ``quick``: the ``tiny`` config at 48 tokens (above OF3's 16-token cut-off for
-    its Triton kernel), 16 MSA rows, 2 templates, on whatever device is here.
-    Otherwise the full model at 384 and 768 tokens with 1024 MSA rows and 4
-    templates (docs/benchmarks.md, baseline table D), launches counted at 384.
-    """
-    shape = (
-        dict(tokens=[48], n_msa=16, n_templ=2, config="tiny")
-        if quick
-        else dict(
-            tokens=[384, 768], n_msa=1024, n_templ=4, config="full", launch_tokens=[384]
-        )
-    )
-    return run_step_bench(repeats=3, warmup=1, out_json=out_json, **shape)
-
-
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A compact text table of step rows (timed rows, probes, max-crop results)."""
     lines = [
