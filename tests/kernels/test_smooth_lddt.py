@@ -7,6 +7,7 @@ small; ``@pytest.mark.gpu`` cases cover realistic sizes on the GPU machine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -613,6 +614,10 @@ def test_shape_checks():
     with pytest.raises(ValueError):
         nbr, counts = ball_query(truth, nuc, mask, max_neighbors=2, seed=0)
         smooth_lddt_ball_query(x, truth, nuc, mask, neighbors=(nbr[:, :3], counts))
+    # The loss's own search has ball_query's limits (it launched with K = 0 before)
+    for search in (ball_query, functools.partial(smooth_lddt_ball_query, x)):
+        with pytest.raises(ValueError, match="max_neighbors must be >= 1"):
+            search(truth, nuc, mask, max_neighbors=0, seed=0)
 
 
 # -------------------------------------------------------------------------- GPU

@@ -216,6 +216,18 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
 
 
+def check_search_size(n: int, max_neighbors: int) -> None:
+    """The search's limits: ``max_neighbors >= 1``, and ``N * max_neighbors`` int32
+    neighbour slots per batch element.
+
+    Raises:
+        ValueError: either limit is broken."""
+    if max_neighbors < 1:
+        raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
+    if n >= 2**31 // max_neighbors:
+        raise ValueError("N * max_neighbors must stay below 2**31")
+
+
 def ball_query(
     truth: torch.Tensor,
     is_nucleotide: torch.Tensor,
@@ -248,10 +260,7 @@ def ball_query(
     b, _, n, _ = truth.shape
     dummy = truth.new_empty((b, 1, n, 3))
     truth, nuc, mask = per_atom_inputs(dummy, truth, is_nucleotide, atom_mask)
-    if max_neighbors < 1:
-        raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
-    if n >= 2**31 // max(max_neighbors, 1):
-        raise ValueError("N * max_neighbors must stay below 2**31")
+    check_search_size(n, max_neighbors)
     seed = draw_seed() if seed is None else int(seed) % (2**31)
     with on_device(truth):
         return ball_query_search(

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from of3_megafold.kernels.backend import on_device
 
-from ._ball_query import ball_query_search, draw_seed, search_plan
+from ._ball_query import ball_query_search, check_search_size, draw_seed, search_plan
 from ._fused import gather_sorted_x, scatter_grad, smooth_lddt_fused_fwd
 from ._loss import lddt_loss_from_sums
 from ._sparse_score import neighbor_score_bwd, neighbor_score_fwd, reverse_neighbors
@@ -204,6 +204,7 @@ def smooth_lddt_ball_query(
         ``[B, S]`` float32.
     """
     if neighbors is None:
+        check_search_size(x.shape[-2], max_neighbors)
         seed = draw_seed() if seed is None else int(seed) % (2**31)
     return SmoothLDDTBallQueryFunction.apply(
         x,
