@@ -42,6 +42,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from of3_megafold._files import replace_directory
 from of3_megafold.errors import KitError
 
 FORMAT_VERSION = 1
@@ -301,20 +302,11 @@ def build_feature_store(
             "conformers": conformers,
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _move_into_place(staging, out_dir)
+        replace_directory(staging, out_dir, f".{out_dir.name}.old-")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
-
-
-def _move_into_place(staging: Path, target: Path) -> None:
-    """Swap ``staging`` in for ``target``; an old ``target`` goes only afterwards."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True)

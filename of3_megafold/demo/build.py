@@ -42,6 +42,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from of3_megafold._files import replace_directory
 from of3_megafold.errors import KitError
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ def ensure_demo_dataset(
             (staging / STAMP_FILE).write_text(
                 json.dumps({"stamp": stamp, "summary": summary}, indent=2) + "\n"
             )
-            _move_into_place(staging, target)
+            replace_directory(staging, target, f"{_BUILD_PREFIX}{target.name}-")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -300,20 +301,6 @@ def _remove_abandoned_builds(root: Path, name: str) -> None:
     """
     for staging in root.glob(f"{_BUILD_PREFIX}{name}-*"):
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _move_into_place(staging: Path, target: Path) -> None:
-    """Rename the finished build onto ``target``, retiring an existing set first.
-
-    Between the two renames the target is briefly absent, never half-written.
-    """
-    if target.exists():
-        retired = Path(
-            tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{target.name}-", dir=target.parent)
-        )
-        os.replace(target, retired / target.name)
-        shutil.rmtree(retired, ignore_errors=True)
-    os.replace(staging, target)
 
 
 def _msa_files(msa_dir: Path) -> list[Path]:
