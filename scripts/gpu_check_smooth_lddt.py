@@ -32,6 +32,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from of3_megafold.bench.common import peak_mib_of_call  # noqa: E402
 from of3_megafold.bench.smooth_lddt import make_inputs  # noqa: E402
 from of3_megafold.kernels.smooth_lddt import (  # noqa: E402
     ball_query,
@@ -182,16 +183,6 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def peak_mib(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
-
-
 def fwd_bwd(fn, x, *args, **kwargs):
     xk = x.detach().clone().requires_grad_()
 
@@ -242,7 +233,7 @@ def timing(n: int, dense: bool, sweep: bool) -> None:
             torch.cuda.synchronize()
             first = (time.perf_counter() - t0) * 1e3
             print(
-                f"{name:28} {bench(step):9.3f} {peak_mib(step):10.1f}"
+                f"{name:28} {bench(step):9.3f} {peak_mib_of_call(step):10.1f}"
                 f"   (first call {first:.0f} ms)",
                 flush=True,
             )

@@ -28,6 +28,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from of3_megafold.bench.common import peak_mib_of_call  # noqa: E402
 from of3_megafold.kernels.swiglu_transition import (  # noqa: E402
     function as transition_function,
 )
@@ -126,16 +127,6 @@ def bench(fn, grad_to_none=None):
     )
 
 
-def peak_mib(fn):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
-
-
 def timing(n_res: int) -> None:
     from openfold3.core.model.layers.transition import SwiGLUTransition
 
@@ -200,7 +191,7 @@ def timing(n_res: int) -> None:
     for name, path, step in steps:
         with weight_grad_path(path):
             t = bench(step)
-            mib = peak_mib(step)
+            mib = peak_mib_of_call(step)
         print(
             f"  {name:18} {t:7.3f} ms {9 * gemm / t / 1e9:6.0f} TFLOP/s {mib:7.0f} MiB"
         )
@@ -319,7 +310,7 @@ def chunk_sweep(n_res: int, chunk_mib: list[int]) -> None:
             transition_function.HIDDEN_CHUNK_BYTES = mib * 2**20
             with weight_grad_path("gemm"):
                 t = bench(step)
-                peak = peak_mib(step)
+                peak = peak_mib_of_call(step)
             print(f"  chunk {mib:5d} MiB {t:7.3f} ms {peak:7.0f} MiB", flush=True)
     finally:
         transition_function.HIDDEN_CHUNK_BYTES = default

@@ -36,17 +36,11 @@ from pathlib import Path
 # Run from a checkout without installing the kit.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from of3_megafold.bench.common import parse_ints  # noqa: E402
+
 # Start near the limits of baseline table D (docs/benchmarks.md); skips ~1 min of
 # probing.
 MAX_CROP_START = {"stock": 1024, "stock-triton": 1280, "kit": 1280}
-
-
-def _ints(text: str) -> list[int]:
-    """``384,768`` -> [384, 768]; ``none`` -> [] (e.g. ``--tokens none``: only the
-    largest-crop search)."""
-    if text.strip().lower() == "none":
-        return []
-    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma-separated providers (default: stock,stock-triton[,kit])",
     )
-    parser.add_argument("--tokens", type=_ints, default=[384, 768])
-    parser.add_argument("--launch-tokens", type=_ints, default=[384])
+    parser.add_argument("--tokens", type=parse_ints, default=[384, 768])
+    parser.add_argument("--launch-tokens", type=parse_ints, default=[384])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--ladder", type=_ints, default=[768, 1024, 1280, 1536])
+    parser.add_argument("--ladder", type=parse_ints, default=[768, 1024, 1280, 1536])
     parser.add_argument("--no-max-crop", action="store_true")
     parser.add_argument(
         "--same-process-probes",

@@ -55,18 +55,16 @@ from pathlib import Path
 # Run from a checkout without installing the kit.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from of3_megafold.bench.common import parse_ints  # noqa: E402
+
 OUT_OF_MEMORY_EXIT = 3
-
-
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_json", type=Path, help="JSON file to append rows to")
     parser.add_argument("--provider", default="kit", help="step-harness provider")
-    parser.add_argument("--tokens", type=_ints, default=[768])
+    parser.add_argument("--tokens", type=parse_ints, default=[768])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--num-recycles", type=int, default=1)

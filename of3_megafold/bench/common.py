@@ -34,7 +34,8 @@ import torch
 MIB = 1024**2
 GIB = 1024**3
 
-# Fields every row carries; scripts/plot_benchmarks.py uses these names too.
+# Fields every row carries; scripts/plot_benchmarks.py keeps its own list of them
+# (IDENTITY_FIELDS; a test checks that it covers environment_metadata()).
 METADATA_FIELDS = (
     "gpu",
     "torch",
@@ -46,6 +47,18 @@ METADATA_FIELDS = (
 )
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def parse_ints(text: str) -> list[int]:
+    """Sizes on a command line: ``384,768`` -> ``[384, 768]``; ``none`` -> ``[]``
+    (e.g. ``--tokens none``: no timed sizes, only the largest-crop search).
+
+    Raises:
+        ValueError: a part is not an integer (argparse reports it as a bad value).
+    """
+    if text.strip().lower() == "none":
+        return []
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def benchmark_json(what: str) -> Path:

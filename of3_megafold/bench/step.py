@@ -68,6 +68,7 @@ from of3_megafold.bench.common import (
     environment_metadata,
     free_device_memory,
     is_out_of_memory,
+    parse_ints,
 )
 
 logger = logging.getLogger(__name__)
@@ -1093,7 +1094,7 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     if value is None:
         return None
     try:
-        return [int(part) for part in value.split(",") if part.strip()]
+        return parse_ints(value)
     except ValueError as error:
         raise click.BadParameter(
             f"expected comma-separated integers: {value}"

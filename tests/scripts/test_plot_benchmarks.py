@@ -185,3 +185,14 @@ def test_fields_that_only_label_points_do_not_split_panels(plotter):
     rows.append(dict(rows[2], n_msa=1024, ms=9.5))
     _, groups = plotter.prepare(rows)
     assert (("case", "triangle"), ("n_msa", 1024)) in groups
+
+
+def test_run_metadata_never_splits_panels(plotter):
+    """Every field environment_metadata writes names the run (the GPU is a panel of
+    its own when rows come from several), so the plotter's lists must know them
+    all, or a new one would split every figure into panels."""
+    from of3_megafold.bench.common import METADATA_FIELDS, environment_metadata
+
+    known = plotter.IDENTITY_FIELDS | set(plotter.ALWAYS_FACET)
+    fields = set(METADATA_FIELDS) | set(environment_metadata("cpu"))
+    assert fields <= known, sorted(fields - known)
