@@ -288,6 +288,21 @@ def test_wide_channels_take_torch_path(device):
     assert "SwiGLUTransitionFunction" not in grad_fn_name(MAX_FUSED_CHANNELS + 32)
 
 
+def test_swiglu_mlp_on_the_torch_path_skips_the_layernorm(device):
+    """Past the fused width swiglu_mlp falls back to torch without normalising, as
+    its fused path does; swiglu_transition refuses to run without its LayerNorm
+    (its fallback would have normalised without the affine, its kernels not)."""
+    c = MAX_FUSED_CHANNELS + 32
+    x, params, mask = make_inputs((5,), c, 2, torch.float32, device)
+    ws = (params["w_a"], params["w_b"], params["w_out"])
+    torch.testing.assert_close(
+        swiglu_mlp(x, *ws, mask),
+        swiglu_transition_reference(x, None, None, *ws, mask, normalize=False),
+    )
+    with pytest.raises(ValueError, match="needs both LayerNorm parameters"):
+        swiglu_transition(x, None, None, *ws, mask)
+
+
 def test_torch_path_returns_the_compute_dtype(device):
     """Under autocast both paths return the autocast dtype, fp32 inputs or not."""
     for c in (MAX_FUSED_CHANNELS, MAX_FUSED_CHANNELS + 32):

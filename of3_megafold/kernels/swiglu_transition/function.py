@@ -452,6 +452,25 @@ def _row_mask(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None
     return mask
 
 
+def _swiglu(caller, x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps):
+    """:func:`swiglu_transition` (LayerNorm parameters given) or :func:`swiglu_mlp`
+    (both ``None``: no LayerNorm): checks, then the fused function or the torch
+    fallback."""
+    _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out)
+    mask = _row_mask(mask, x)
+    dtype = compute_dtype(x)
+    ok, why = _fused_ok(x, dtype)
+    if not ok:
+        logger.debug("%s: torch path (%s)", caller, why)
+        return swiglu_transition_reference(
+            x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps,
+            normalize=ln_weight is not None,
+        ).to(dtype)
+    return SwiGLUTransitionFunction.apply(
+        x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, dtype
+    )
+
+
 def swiglu_transition(
     x: torch.Tensor,
     ln_weight: torch.Tensor,
@@ -487,18 +506,13 @@ def swiglu_transition(
     numerics; its result cast to the compute dtype) for ``c > 128``, other dtypes,
     or a CPU tensor without the Triton interpreter.
     """
-    _check_shapes(x, ln_weight, ln_bias, w_a, w_b, w_out)
-    mask = _row_mask(mask, x)
-    dtype = compute_dtype(x)
-    ok, why = _fused_ok(x, dtype)
-    if not ok:
-        logger.debug("swiglu_transition: torch path (%s)", why)
-        return swiglu_transition_reference(
-            x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps
-        ).to(dtype)
-    return SwiGLUTransitionFunction.apply(
-        x, ln_weight, ln_bias, w_a, w_b, w_out, mask, eps, dtype
-    )
+    if ln_weight is None or ln_bias is None:
+        raise ValueError(
+            "swiglu_transition needs both LayerNorm parameters (swiglu_mlp is the "
+            "transition without its LayerNorm)"
+        )
+    return _swiglu("swiglu_transition", x, ln_weight, ln_bias, w_a, w_b, w_out, mask,
+                   eps)
 
 
 def swiglu_mlp(
@@ -514,15 +528,4 @@ def swiglu_mlp(
     weights go here unchanged). Shapes, dtypes and fallbacks as in
     :func:`swiglu_transition`.
     """
-    _check_shapes(x, None, None, w_a, w_b, w_out)
-    mask = _row_mask(mask, x)
-    dtype = compute_dtype(x)
-    ok, why = _fused_ok(x, dtype)
-    if not ok:
-        logger.debug("swiglu_mlp: torch path (%s)", why)
-        return swiglu_transition_reference(
-            x, None, None, w_a, w_b, w_out, mask, normalize=False
-        ).to(dtype)
-    return SwiGLUTransitionFunction.apply(
-        x, None, None, w_a, w_b, w_out, mask, 0.0, dtype
-    )
+    return _swiglu("swiglu_mlp", x, None, None, w_a, w_b, w_out, mask, 0.0)
