@@ -35,12 +35,12 @@ training-step harness's own command (:func:`of3_megafold.bench.step.step_command
 
 
 def _default_bench_dir() -> Path:
-    """Where ``bench <module>`` appends rows unless told: the directory of
-    :func:`~of3_megafold.bench.common.benchmark_json`, as ``bench step`` does (the
-    checkout's ``docs/benchmarks``, else the working directory's)."""
-    from of3_megafold.bench.common import benchmark_json
+    """Where ``bench <module>`` appends rows unless told, as ``bench step`` does:
+    :func:`~of3_megafold.bench.common.benchmark_dir` (imported here, not at the
+    CLI's import: it imports torch)."""
+    from of3_megafold.bench.common import benchmark_dir
 
-    return benchmark_json("x").parent
+    return benchmark_dir()
 
 
 @contextmanager

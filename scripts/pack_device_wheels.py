@@ -136,15 +136,13 @@ def pack(wheels: Path, root: Path) -> None:
         for prefix, drop in DROPPED.items():
             if wheel.name.startswith(prefix):
                 print(f"{wheel.name}: {repack(wheel, drop)} members dropped")
-    for name, source in ((".of3-snapshots", snapshots), (".whl", None)):
-        target = root / name
-        shutil.rmtree(target, ignore_errors=True)
-        if source is not None:
-            shutil.move(str(source), target)
-        else:
-            target.mkdir()
-            for wheel in wheels.glob("*.whl"):
-                shutil.move(str(wheel), target / wheel.name)
+    staged = wheels / "whl"
+    staged.mkdir()
+    for wheel in wheels.glob("*.whl"):
+        wheel.rename(staged / wheel.name)
+    for name, source in ((".of3-snapshots", snapshots), (".whl", staged)):
+        shutil.rmtree(root / name, ignore_errors=True)
+        shutil.move(str(source), root / name)  # across filesystems: /tmp -> root
     size = sum(p.stat().st_size for p in (root / ".whl").iterdir()) / 2**20
     print(f"{root / '.whl'}: {size:.0f} MiB; {root / '.of3-snapshots'}")
 

@@ -61,17 +61,19 @@ def parse_ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def benchmark_json(what: str) -> Path:
-    """Default output file of benchmark ``what``: ``docs/benchmarks/<what>.json``.
-
-    Inside a source checkout this is the checkout's ``docs/benchmarks``; for an
-    installed copy it is relative to the working directory.
-    """
+def benchmark_dir() -> Path:
+    """Default directory of the benchmarks' JSON files: inside a source checkout the
+    checkout's ``docs/benchmarks``; for an installed copy ``docs/benchmarks`` of the
+    working directory."""
     checkout_docs = _PACKAGE_DIR.parent / "docs" / "benchmarks"
-    root = (
-        checkout_docs if checkout_docs.is_dir() else Path.cwd() / "docs" / "benchmarks"
-    )
-    return root / f"{what}.json"
+    if checkout_docs.is_dir():
+        return checkout_docs
+    return Path.cwd() / "docs" / "benchmarks"
+
+
+def benchmark_json(what: str) -> Path:
+    """Default output file of benchmark ``what``: ``<benchmark_dir()>/<what>.json``."""
+    return benchmark_dir() / f"{what}.json"
 
 
 def _distribution_version(name: str) -> str | None:

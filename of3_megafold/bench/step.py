@@ -857,6 +857,7 @@ def run_step_bench(
 
     fits: dict[str, list[int]] = {provider: [] for provider in providers}
     too_big: dict[str, list[int]] = {provider: [] for provider in providers}
+    identities: dict[str, dict[str, Any]] = {}  # of the providers timed
 
     def harness_for(provider: str) -> contextlib.closing[TrainingStepHarness]:
         logger.info("step bench: building the %s model for %s", config, provider)
@@ -868,6 +869,7 @@ def run_step_bench(
     # cut short still holds the side-by-side comparison.
     for provider in providers if tokens else ():
         with harness_for(provider) as harness:
+            identities[provider] = harness.identity()
             for n_token in sorted(tokens):
                 if too_big[provider]:
                     logger.info("%s: skipping %d tokens", provider, n_token)
@@ -880,22 +882,14 @@ def run_step_bench(
                 )
                 decided = too_big if fields["oom"] or "error" in fields else fits
                 decided[provider].append(n_token)
-                emit(
-                    _row(
-                        harness.identity(),
-                        "step",
-                        n_token,
-                        n_msa,
-                        n_templ,
-                        metadata,
-                        **fields,
-                    )
-                )
+                who = identities[provider]
+                emit(_row(who, "step", n_token, n_msa, n_templ, metadata, **fields))
                 _log_row(rows[-1])
     for provider in providers if max_crop else ():
         search = functools.partial(
             _run_max_crop,
             provider,
+            known=identities.get(provider),
             n_msa=n_msa,
             n_templ=n_templ,
             ladder=max_crop_ladder,
@@ -915,26 +909,18 @@ def run_step_bench(
                 n_templ,
                 logging.getLogger().getEffectiveLevel(),
             )
-
-            def identity(provider=provider) -> dict[str, Any]:
-                with harness_for(provider) as harness:
-                    return harness.identity()
-
             search(
                 measure=functools.partial(_probe_in_fresh_process, spec),
-                identity=identity,
                 process="fresh",
             )
             continue
         with harness_for(provider) as harness:
-
-            def measure(n_token: int, harness=harness) -> tuple[dict, dict]:
-                fields = _measure(
-                    harness, n_token, n_msa, n_templ, 0, 1, count_launches=False
-                )
-                return harness.identity(), fields
-
-            search(measure=measure, identity=harness.identity, process="same")
+            search(
+                measure=functools.partial(
+                    _probe_step, harness, n_msa=n_msa, n_templ=n_templ
+                ),
+                process="same",
+            )
     return rows
 
 
@@ -951,9 +937,18 @@ class _ProbeSpec:
     log_level: int
 
 
+def _probe_step(
+    harness: TrainingStepHarness, n_token: int, n_msa: int, n_templ: int
+) -> tuple[dict, dict]:
+    """One max-crop probe: one step (no warm-up) at ``n_token`` tokens;
+    the harness's identity and the row fields (:func:`_measure`)."""
+    fields = _measure(harness, n_token, n_msa, n_templ, 0, 1, count_launches=False)
+    return harness.identity(), fields
+
+
 def _fresh_probe(spec: _ProbeSpec, n_token: int) -> tuple[dict, dict]:
-    """In a spawned process: build the provider's harness, run one step at
-    ``n_token`` tokens; its identity and row fields (:func:`_measure`)."""
+    """In a spawned process: build the provider's harness and run
+    :func:`_probe_step`."""
     logging.basicConfig(
         level=spec.log_level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
     )
@@ -961,10 +956,7 @@ def _fresh_probe(spec: _ProbeSpec, n_token: int) -> tuple[dict, dict]:
         spec.config, spec.provider, spec.device, num_recycles=spec.num_recycles
     )
     try:
-        fields = _measure(
-            harness, n_token, spec.n_msa, spec.n_templ, 0, 1, count_launches=False
-        )
-        return harness.identity(), fields
+        return _probe_step(harness, n_token, spec.n_msa, spec.n_templ)
     finally:
         harness.close()
 
@@ -994,7 +986,7 @@ def _probe_in_fresh_process(
 def _run_max_crop(
     provider: str,
     measure: Callable[[int], tuple[Mapping[str, Any], dict]],
-    identity: Callable[[], Mapping[str, Any]],
+    known: Mapping[str, Any] | None,
     process: str,
     n_msa: int,
     n_templ: int,
@@ -1008,9 +1000,10 @@ def _run_max_crop(
     """Search ``provider``'s largest crop (:func:`_search_max_crop`), one
     ``max_crop_probe`` row per probe and a ``max_crop`` summary row.
 
-    ``measure(n_token)`` runs one probe step: (identity, row fields). ``identity()``
-    names the summary row when no probe ran. ``process``: ``same`` or ``fresh``,
-    written into each row as ``probe_process``."""
+    ``measure(n_token)`` runs one probe step: (identity, row fields). ``known``:
+    the identity from the timed sizes, which name the summary row when no probe ran
+    (only the timed sizes can decide the whole ladder). ``process``: ``same`` or
+    ``fresh``, written into each row as ``probe_process``."""
     seen: list[Mapping[str, Any]] = []
 
     def probe(n_token: int) -> bool:
@@ -1036,7 +1029,7 @@ def _run_max_crop(
         "ladder": list(ladder),
         "probe_process": process,
     }
-    who = seen[-1] if seen else identity()
+    who = seen[-1] if seen else known
     emit(_row(who, "max_crop", largest, n_msa, n_templ, metadata, **summary))
     logger.info("%s: largest trainable crop %s", provider, largest)
 

@@ -31,6 +31,10 @@ STEP_FIELDS = {
 }
 
 
+# One tiny training step on the CPU (tests add providers, sizes, the search).
+TINY_RUN = dict(n_msa=8, n_templ=2, config="tiny", repeats=1, warmup=0, device="cpu")
+
+
 @pytest.fixture
 def no_registry(monkeypatch):
     """Stock providers only, whatever the kit has registered by now."""
@@ -47,15 +51,7 @@ def _check_loss(loss):
 def test_tiny_step_rows_are_written(tmp_path, no_registry):
     out = tmp_path / "step.json"
     rows = step.run_step_bench(
-        providers=["stock"],
-        tokens=[16],
-        n_msa=8,
-        n_templ=2,
-        config="tiny",
-        repeats=1,
-        warmup=0,
-        out_json=out,
-        device="cpu",
+        providers=["stock"], tokens=[16], out_json=out, **TINY_RUN
     )
     assert json.loads(out.read_text()) == rows
     (row,) = rows
@@ -151,16 +147,11 @@ def test_max_crop_searches_after_every_provider_is_timed(
     rows = step.run_step_bench(
         providers=["stock", "chunk"],
         tokens=[16],
-        n_msa=8,
-        n_templ=2,
-        config="tiny",
-        repeats=1,
-        warmup=0,
         out_json=tmp_path / "step.json",
         max_crop=True,
         max_crop_ladder=[16, 24, 32, 48],
-        device="cpu",
         fresh_probes=False,  # the simulated limit lives in this process
+        **TINY_RUN,
     )
     # Both providers timed first; then each search starts above what fitted.
     assert probed == [
@@ -195,13 +186,10 @@ def test_fresh_process_probe_computes_the_same_step(tmp_path, no_registry):
     common = dict(
         providers=["stock"],
         tokens=[],
-        n_msa=8,
-        n_templ=2,
-        config="tiny",
         out_json=tmp_path / "step.json",
         max_crop=True,
         max_crop_ladder=[24],
-        device="cpu",
+        **TINY_RUN,
     )
     fresh = step.run_step_bench(**common, fresh_probes=True)
     same = step.run_step_bench(**common, fresh_probes=False)
@@ -222,15 +210,10 @@ def test_fresh_probes_summary_without_a_probe(tmp_path, no_registry, monkeypatch
     rows = step.run_step_bench(
         providers=["stock"],
         tokens=[16],
-        n_msa=8,
-        n_templ=2,
-        config="tiny",
-        repeats=1,
-        warmup=0,
         out_json=tmp_path / "step.json",
         max_crop=True,
         max_crop_ladder=[16],
-        device="cpu",
+        **TINY_RUN,
     )
     summary = rows[-1]
     assert (summary["mode"], summary["max_crop"]) == ("max_crop", 16)
