@@ -24,8 +24,8 @@ last-resort fallback zeroes every loss weight and the step learns nothing.
 A *provider* is a model-config update, a nested dict merged into OF3's model config
 exactly like ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``,
 ``stock-triton`` turns on OF3's own Triton triangle-attention kernel, ``kit`` turns
-on every available kit extension, and each kit extension is also a provider of its
-own name. ``stock-cueq`` (``-tf32``: with TF32 matmuls, which its fp32 backward
+on every available kit extension, each kit extension is also a provider of its
+own name, and ``kit-without-<extension>`` is the kit less one extension. ``stock-cueq`` (``-tf32``: with TF32 matmuls, which its fp32 backward
 needs) and ``stock-deepspeed`` turn on OF3's flags for cuEquivariance's and
 DeepSpeed's kernels; they run only when named, and a failure of theirs is a row's
 ``error``. All providers
@@ -223,17 +223,24 @@ def _registry_extensions() -> dict[str, tuple[dict, bool, str]]:
     return extensions
 
 
-def kit_provider_updates() -> dict[str, dict]:
+KIT_WITHOUT = "kit-without-"
+"""Provider prefix: ``kit-without-<extension>`` is ``kit`` less that extension (what
+the extension buys inside the kit, in the same run)."""
+
+
+def kit_provider_updates(without: str | None = None) -> dict[str, dict]:
     """Providers the kit adds: each available extension by name, and ``kit`` with
-    all available extensions on. Empty without the registry."""
+    all available extensions on (all but ``without`` if given). Empty without the
+    registry."""
     available = {
         name: update for name, (update, ok, _) in _registry_extensions().items() if ok
     }
     if not available:
         return {}
     everything: dict = {}
-    for update in available.values():
-        everything = deep_merge(everything, update)
+    for name, update in available.items():
+        if name != without:
+            everything = deep_merge(everything, update)
     return {"kit": everything, **_plain(available)}
 
 
@@ -264,7 +271,15 @@ def provider_availability(name: str, device: torch.device | str) -> tuple[bool, 
     if name in extensions:
         _, ok, reason = extensions[name]
         return ok, reason
-    known = ", ".join(sorted({*PROVIDERS, *RIVAL_PROVIDERS, "kit", *extensions}))
+    if name.startswith(KIT_WITHOUT):
+        left_out = name.removeprefix(KIT_WITHOUT)
+        if left_out not in extensions:
+            return False, f"{name}: no kit extension {left_out!r}"
+        if not extensions[left_out][1]:
+            return False, f"{name}: {left_out} is unavailable here, so kit is the same"
+        return True, ""
+    known = ", ".join(sorted({*PROVIDERS, *RIVAL_PROVIDERS, "kit", *extensions,
+                              f"{KIT_WITHOUT}<extension>"}))
     return False, f"unknown provider {name!r}; known providers: {known}"
 
 
@@ -289,6 +304,8 @@ def provider_update(name: str, device: torch.device | str) -> dict:
         return copy.deepcopy(PROVIDERS[name])
     if name in RIVAL_PROVIDERS:
         return copy.deepcopy(RIVAL_PROVIDERS[name][1])
+    if name.startswith(KIT_WITHOUT):
+        return kit_provider_updates(without=name.removeprefix(KIT_WITHOUT))["kit"]
     return kit_provider_updates()[name]
 
 

@@ -5,6 +5,7 @@ Extension modules import OpenFold3 and the kernels lazily, inside their patches.
 """
 
 from of3_megafold.extensions import (
+    checkpoint_offload,
     evoflash_attention,
     evofusion_transitions,
     evofusion_triangle_multiplication,
@@ -14,6 +15,7 @@ from of3_megafold.extensions import (
 )
 
 __all__ = [
+    "checkpoint_offload",
     "evoflash_attention",
     "evofusion_transitions",
     "evofusion_triangle_multiplication",

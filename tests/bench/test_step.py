@@ -346,6 +346,13 @@ def test_kit_providers_come_from_the_registry(fake_registry):
     config = step.build_model_config("tiny", step.provider_update("kit", "cpu"))
     assert config.settings.memory.train.use_lma is True
     assert config.settings.memory.train.msa_module.swiglu_seq_chunk_size == 4
+    assert step.provider_update("kit-without-chunk", "cpu") == {
+        "settings": {"memory": {"train": {"use_lma": True}}}
+    }
+    ok, reason = step.provider_availability("kit-without-broken", "cpu")
+    assert not ok and "broken is unavailable" in reason
+    ok, reason = step.provider_availability("kit-without-nothing", "cpu")
+    assert not ok and "no kit extension 'nothing'" in reason
     # The registry's own dicts are never modified by merging.
     assert fake_registry.EXTENSIONS["lma"].enable_update == {
         "settings": {"memory": {"train": {"use_lma": True}}}

@@ -1,0 +1,136 @@
+"""Checkpoint offload: OF3's activation-checkpoint inputs wait in pinned host memory.
+
+Keys: ``model_update.custom.settings.memory.{train,eval}.use_checkpoint_offload``
+(default false).
+
+In training OF3 checkpoints every block of its stacks (``blocks_per_ckpt`` 1 in the
+``train`` preset): the pairformer's 48 blocks, the MSA module's, the template
+stack's and the diffusion transformer's. A checkpoint keeps only its block's inputs,
+but at long crops those inputs are the largest thing the backward starts from: the
+trunk's 48 copies of the pair representation ``z`` ``[N, N, 128]`` are 32 GiB in
+bf16 at 1664 tokens. With a key on, OF3's ``checkpoint_blocks`` runs its loop inside
+:class:`of3_megafold.kernels.host_offload.HostOffload`: each checkpoint's inputs are
+copied to pinned host memory on a side stream as the forward saves them, and copied
+back one block ahead of the backward's recompute. The checkpointed blocks, their
+RNG and autocast handling and their gradients are OF3's (``torch.utils.checkpoint``
+or DeepSpeed's, whichever OF3 picks): only where the saved inputs wait changes.
+
+The cost is two PCIe copies of every checkpoint input per step (about 2 x 7 GiB at
+768 tokens, 2 x 32 GiB at 1664), mostly hidden behind the blocks' compute, and as
+much pinned host memory as the inputs take. CUDA tensors only; a stack that runs
+without checkpoints (inference, ``blocks_per_ckpt`` unset), inside another
+saved-tensor hook (an outer checkpoint's region, a user's ``save_on_cpu``), or on
+CPU tensors runs exactly as OF3's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from of3_megafold import registry
+
+logger = logging.getLogger(__name__)
+
+NAME = "checkpoint_offload"
+FLAG = "use_checkpoint_offload"
+
+KEYS = registry.memory_flag_keys(
+    FLAG,
+    "keep OF3's activation-checkpoint inputs (the pair representation per block) in "
+    "pinned host memory between forward and backward; copies overlap compute. "
+    "Needs CUDA.",
+)
+
+OFFLOAD_DEVICES: tuple[str, ...] = ("cuda",)
+"""Device types whose checkpoint inputs move (tests add ``"cpu"``)."""
+
+MIN_BYTES = 1 << 20
+"""Checkpoint inputs smaller than this stay on the device (masks, small stacks)."""
+
+_CHECKPOINT_BLOCKS_USERS = (
+    "openfold3.core.utils.checkpointing",
+    "openfold3.core.model.latent.pairformer",
+    "openfold3.core.model.latent.base_stacks",
+    "openfold3.core.model.latent.template_module",
+    "openfold3.core.model.layers.diffusion_transformer",
+)
+"""Modules whose ``checkpoint_blocks`` name is patched (the stacks import it by name;
+the kit's sequence-parallel pairformer imports it from OF3's checkpointing module)."""
+
+
+def _cuda() -> registry.Check:
+    if not torch.cuda.is_available():
+        return False, (
+            "no CUDA device; offloading moves GPU memory to the host (without the key "
+            "the checkpoints keep their inputs on the device, as OF3's)"
+        )
+    return True, f"CUDA: {torch.cuda.get_device_name()}"
+
+
+def block_module(block: Any) -> torch.nn.Module | None:
+    """The module behind one of ``checkpoint_blocks``'s callables: OF3's stacks pass
+    ``functools.partial(block_module, ...)``; anything else has none."""
+    while isinstance(block, functools.partial):
+        block = block.func
+    return block if isinstance(block, torch.nn.Module) else None
+
+
+def _other_hooks_active() -> bool:
+    """A saved-tensor hook is already active (an outer checkpoint's region, a user's
+    ``save_on_cpu``): it decides where saved tensors go, not this extension."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _offloads(blocks, args, blocks_per_ckpt) -> bool:
+    if blocks_per_ckpt is None or not torch.is_grad_enabled() or not blocks:
+        return False
+    module = block_module(blocks[0])
+    if module is None or not registry.module_enabled(module, NAME, FLAG):
+        return False
+    if _other_hooks_active():
+        return False
+    tensors = [a for a in (args if isinstance(args, tuple) else (args,))
+               if isinstance(a, torch.Tensor)]
+    if any(t.device.type not in OFFLOAD_DEVICES for t in tensors):
+        registry.log_device_fallback(NAME, tensors[0].device.type)
+        return False
+    return True
+
+
+def _patch_checkpoint_blocks(original):
+    def checkpoint_blocks(blocks, args, blocks_per_ckpt, use_reentrant=None):
+        if not _offloads(blocks, args, blocks_per_ckpt):
+            return original(blocks, args, blocks_per_ckpt, use_reentrant)
+        from of3_megafold.kernels.host_offload import HostOffload
+
+
+        offload = HostOffload(min_bytes=MIN_BYTES, devices=OFFLOAD_DEVICES)
+        with offload:
+            out = original(blocks, args, blocks_per_ckpt, use_reentrant)
+        logger.debug("%s: %s moved %.2f GiB of checkpoint inputs to the host", NAME,
+                     type(block_module(blocks[0])).__name__, offload.moved_bytes / 2**30)
+        return out
+
+    return checkpoint_blocks
+
+
+EXTENSION = registry.register(
+    registry.Extension(
+        name=NAME,
+        summary="OF3's activation-checkpoint inputs kept in pinned host memory "
+        "between forward and backward (longer crops; copies overlap compute)",
+        keys=KEYS,
+        requested=registry.any_key_on(KEYS),
+        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
+        device_check=_cuda,
+        patches=tuple(
+            registry.Patch(f"{module}:checkpoint_blocks", _patch_checkpoint_blocks)
+            for module in _CHECKPOINT_BLOCKS_USERS
+        ),
+        docs="docs/extensions/checkpoint_offload.md",
+    )
+)
