@@ -978,6 +978,11 @@ def _fresh_probe(spec: _ProbeSpec, n_token: int) -> tuple[dict, dict]:
         harness.close()
 
 
+class ProbeProcessDied(RuntimeError):
+    """A max-crop probe's process ended without a result (killed by a signal, e.g.
+    by the host's out-of-memory killer when pinned host memory runs out)."""
+
+
 def _probe_in_fresh_process(
     spec: _ProbeSpec, n_token: int, target: Callable = _fresh_probe
 ) -> tuple[dict, dict]:
@@ -986,18 +991,25 @@ def _probe_in_fresh_process(
     crop size has), waited for.
 
     Raises:
-        RuntimeError: the process died without a result (e.g. killed by the host's
-            out-of-memory killer); a CUDA out-of-memory error is a result.
+        ProbeProcessDied: the process died without a result; a CUDA out-of-memory
+            error is a result.
     """
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         try:
             return pool.submit(target, spec, n_token).result()
         except concurrent.futures.BrokenExecutor as error:
-            raise RuntimeError(
+            raise ProbeProcessDied(
                 f"the {spec.provider} probe at {n_token} tokens died in its process "
-                "without a result"
+                "without a result (killed, e.g. by the host's out-of-memory killer)"
             ) from error
+
+
+def _unnamed(provider: str) -> dict[str, Any]:
+    """A row identity for a provider whose model never reported one (its only probe
+    died before it could)."""
+    return {"provider": provider, "config": None, "no_samples": None,
+            "precision": None, "params_m": None}
 
 
 def _run_max_crop(
@@ -1020,19 +1032,25 @@ def _run_max_crop(
     ``measure(n_token)`` runs one probe step: (identity, row fields). ``known``:
     the identity from the timed sizes, which name the summary row when no probe ran
     (only the timed sizes can decide the whole ladder). ``process``: ``same`` or
-    ``fresh``, written into each row as ``probe_process``."""
+    ``fresh``, written into each row as ``probe_process``. A probe whose process
+    died (:class:`ProbeProcessDied`) does not fit: its row has ``oom`` false and the
+    death as ``error``."""
     seen: list[Mapping[str, Any]] = []
 
     def probe(n_token: int) -> bool:
         logger.info(
             "%s: max-crop probe at %d tokens (%s process)", provider, n_token, process
         )
-        who, fields = measure(n_token)
-        seen.append(who)
+        try:
+            who, fields = measure(n_token)
+            seen.append(who)
+        except ProbeProcessDied as died:
+            who = seen[-1] if seen else known or _unnamed(provider)
+            fields = {"oom": False, "error": str(died)}
         fields["probe_process"] = process
         emit(_row(who, "max_crop_probe", n_token, n_msa, n_templ, metadata, **fields))
         _log_row(fields | {"provider": provider, "n_token": n_token})
-        return not fields["oom"]
+        return not fields["oom"] and "error" not in fields
 
     if start is None:
         above = [size for size in sorted(ladder) if not fits or size > max(fits)]

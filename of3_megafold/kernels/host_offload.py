@@ -22,8 +22,15 @@ used by ``copy`` (``record_stream``), so the allocator cannot hand its memory ou
 before the copy has read it; the host-to-device copy writes a tensor allocated from
 ``main``'s pool after ``copy`` has waited for ``main``, and ``main`` waits for the
 copy's event before the tensor is returned. CPU tensors are never moved unless the
-``devices`` argument names ``"cpu"`` (tests use that to run the bookkeeping, prefetch
-included, without a GPU: every copy is then a plain clone).
+``devices`` argument names ``"cpu"`` (tests use that to run the bookkeeping, pieces
+and prefetch included, without a GPU: the copies are then plain CPU copies).
+
+Host memory comes in power-of-two pieces: torch's pinned-memory allocator rounds every
+allocation up to a power of two (and caches it), so one 1.2 GB tensor (``z`` at 2176
+tokens) would hold 2 GiB of pinned memory, and 48 of them would not fit a 128 GiB
+host. A tensor of ``n`` bytes is stored as the pieces of ``n``'s binary expansion
+down to ``PIECE_FLOOR`` (the rest in one small piece), each an exact allocator size
+that later tensors reuse.
 
 Imports neither OpenFold3 nor Triton.
 """
@@ -38,6 +45,9 @@ import torch
 DEFAULT_MIN_BYTES = 1 << 20
 """Saved tensors smaller than this stay where they are (1 MiB: masks, single reps)."""
 
+PIECE_FLOOR = 1 << 20
+"""Host pieces are powers of two down to this size; below it, one last piece."""
+
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
@@ -51,15 +61,36 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
+def host_pieces(nbytes: int, floor: int = PIECE_FLOOR) -> list[tuple[int, int]]:
+    """``(offset, length)`` byte ranges covering ``nbytes``: the powers of two of its
+    binary expansion, largest first, down to ``floor``; what is left below ``floor``
+    is one last piece."""
+    pieces, offset = [], 0
+    while nbytes - offset >= floor:
+        length = 1 << ((nbytes - offset).bit_length() - 1)
+        pieces.append((offset, length))
+        offset += length
+    if offset < nbytes:
+        pieces.append((offset, nbytes - offset))
+    return pieces
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat ``uint8`` view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 class _Stash:
-    """One saved tensor while it is away: the host copy, the events that order the
+    """One saved tensor while it is away: its host pieces, the events that order the
     copies, and a link to the tensor packed before it (the next one the backward
     will want).
 
     Attributes:
-        host: the host copy (pinned for CUDA tensors), same shape and dtype.
-        device: where the tensor lives and goes back to.
-        to_host: event recorded on the copy stream after the device-to-host copy
+        pieces: ``(offset, host bytes)`` covering the tensor's contiguous bytes
+            (pinned for CUDA tensors; :func:`host_pieces`).
+        shape, dtype, device: what the tensor is and where it goes back to.
+        nbytes: its size in bytes.
+        to_host: event recorded on the copy stream after the device-to-host copies
             (CUDA only).
         fetched: the tensor already copied back by a prefetch, or None.
         to_device: event recorded after that copy (CUDA only).
@@ -67,31 +98,57 @@ class _Stash:
         previous: the stash packed just before this one in the same context.
     """
 
-    __slots__ = ("host", "device", "to_host", "fetched", "to_device", "unpacked",
-                 "previous")
+    __slots__ = ("pieces", "shape", "dtype", "device", "nbytes", "to_host", "fetched",
+                 "to_device", "unpacked", "previous")
 
-    def __init__(self, host, device, to_host, previous):
-        self.host = host
-        self.device = device
-        self.to_host = to_host
-        self.fetched = None
-        self.to_device = None
+    def __init__(self, tensor: torch.Tensor, floor: int, previous: _Stash | None):
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.fetched = self.to_device = self.to_host = None
         self.unpacked = False
         self.previous = previous
+        pinned = tensor.device.type == "cuda"
+        self.pieces = [
+            (offset, torch.empty(length, dtype=torch.uint8, pin_memory=pinned))
+            for offset, length in host_pieces(self.nbytes, floor)
+        ]
+        if not pinned:
+            self._copy_out(tensor)
+            return
+        main = torch.cuda.current_stream(tensor.device)
+        copy = copy_stream(tensor.device)
+        copy.wait_stream(main)
+        with torch.cuda.stream(copy):
+            self._copy_out(tensor)
+            self.to_host = torch.cuda.Event()
+            self.to_host.record(copy)
+        tensor.record_stream(copy)
 
-    @property
-    def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
+    def _copy_out(self, tensor: torch.Tensor) -> None:
+        flat = _bytes(tensor.detach().contiguous())
+        for offset, host in self.pieces:
+            host.copy_(flat[offset:offset + host.numel()], non_blocking=True)
+
+    def copy_back(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``into`` (default: a new tensor on the device) filled from the pieces, on
+        the current stream."""
+        if into is None:
+            into = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        flat = _bytes(into)
+        for offset, host in self.pieces:
+            flat[offset:offset + host.numel()].copy_(host, non_blocking=True)
+        return into
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Keep saved tensors of at least ``min_bytes`` in host memory until backward.
 
     Args:
-        min_bytes: smaller saved tensors are kept as they are.
+        min_bytes: smaller (and empty) saved tensors are kept as they are.
         devices: device types whose tensors move (default CUDA only).
         prefetch: on unpacking a tensor, start copying back as many bytes of the
             not yet unpacked tensors packed before it.
+        piece_floor: smallest power-of-two host piece (:func:`host_pieces`).
 
     Attributes:
         moved_bytes: bytes copied to the host so far by this context (for logs and
@@ -103,10 +160,12 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         min_bytes: int = DEFAULT_MIN_BYTES,
         devices: Iterable[str] = ("cuda",),
         prefetch: bool = True,
+        piece_floor: int = PIECE_FLOOR,
     ):
-        self.min_bytes = int(min_bytes)
+        self.min_bytes = max(int(min_bytes), 1)
         self.devices = frozenset(devices)
         self.prefetch = prefetch
+        self.piece_floor = piece_floor
         self.moved_bytes = 0
         self._last: _Stash | None = None
         super().__init__(self._pack, self._unpack)
@@ -115,20 +174,8 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device.type not in self.devices or nbytes < self.min_bytes:
             return tensor
-        if tensor.device.type == "cuda":
-            main = torch.cuda.current_stream(tensor.device)
-            copy = copy_stream(tensor.device)
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            copy.wait_stream(main)
-            with torch.cuda.stream(copy):
-                host.copy_(tensor, non_blocking=True)
-                to_host = torch.cuda.Event()
-                to_host.record(copy)
-            tensor.record_stream(copy)
-        else:
-            host, to_host = tensor.detach().clone(), None
         self.moved_bytes += nbytes
-        self._last = _Stash(host, tensor.device, to_host, self._last)
+        self._last = _Stash(tensor, self.piece_floor, self._last)
         return self._last
 
     def __exit__(self, *exc_info):
@@ -162,18 +209,19 @@ def _start_fetch(stash: _Stash) -> None:
     if stash.fetched is not None:
         return
     if stash.device.type != "cuda":
-        stash.fetched = stash.host.clone()
+        stash.fetched = stash.copy_back()
         return
     main = torch.cuda.current_stream(stash.device)
     copy = copy_stream(stash.device)
-    fetched = torch.empty(stash.host.shape, dtype=stash.host.dtype, device=stash.device)
-    copy.wait_stream(main)  # ``fetched``'s memory may still be read by queued work
+    # from ``main``'s pool (``main`` reads and frees it); the memory may still be
+    # read by work queued on ``main``, so the copy waits for that first
+    fetched = torch.empty(stash.shape, dtype=stash.dtype, device=stash.device)
+    copy.wait_stream(main)
     with torch.cuda.stream(copy):
         copy.wait_event(stash.to_host)
-        fetched.copy_(stash.host, non_blocking=True)
+        stash.fetched = stash.copy_back(into=fetched)
         stash.to_device = torch.cuda.Event()
         stash.to_device.record(copy)
-    stash.fetched = fetched
 
 
 def _fetch(stash: _Stash) -> torch.Tensor:
@@ -182,8 +230,6 @@ def _fetch(stash: _Stash) -> torch.Tensor:
         if stash.to_device is not None:
             torch.cuda.current_stream(stash.device).wait_event(stash.to_device)
         return stash.fetched
-    if stash.device.type != "cuda":
-        return stash.host.clone()
-    main = torch.cuda.current_stream(stash.device)
-    main.wait_event(stash.to_host)
-    return stash.host.to(stash.device, non_blocking=True)
+    if stash.device.type == "cuda":
+        torch.cuda.current_stream(stash.device).wait_event(stash.to_host)
+    return stash.copy_back()

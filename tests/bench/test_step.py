@@ -230,8 +230,30 @@ def _exit_without_result(spec, n_token):
 
 def test_a_probe_process_that_dies_is_an_error():
     spec = step._ProbeSpec("tiny", "stock", "cpu", None, 8, 2, 30)
-    with pytest.raises(RuntimeError, match="died in its process"):
+    with pytest.raises(step.ProbeProcessDied, match="died in its process"):
         step._probe_in_fresh_process(spec, 24, target=_exit_without_result)
+
+
+def test_a_probe_that_dies_does_not_fit():
+    """The search goes on below a probe whose process died; its row says so."""
+    rows: list[dict] = []
+    identity = {"provider": "kit", "config": "tiny", "no_samples": 2,
+                "precision": "fp32", "params_m": 1.0}
+
+    def measure(n_token):
+        if n_token > 32:
+            raise step.ProbeProcessDied(f"probe at {n_token} died")
+        return identity, {"oom": False, "ms": 1.0, "loss": {"loss": 0.5}}
+
+    step._run_max_crop("kit", measure, None, "fresh", 8, 2, [16, 32, 48], 32, (),
+                       (), {}, rows.append)
+    assert [(r["mode"], r["n_token"], r.get("error")) for r in rows] == [
+        ("max_crop_probe", 32, None),
+        ("max_crop_probe", 48, "probe at 48 died"),
+        ("max_crop", 32, None),
+    ]
+    assert rows[1]["params_m"] == 1.0 and rows[1]["oom"] is False
+    assert rows[2]["decided"] == {"32": True, "48": False}
 
 
 @pytest.mark.parametrize(

@@ -54,12 +54,13 @@ def _run(blocks, x, s, use_reentrant: bool, offload: HostOffload | None, seed=1)
     return [a.detach(), b.detach()], grads
 
 
+@pytest.mark.parametrize("piece_floor", [host_offload.PIECE_FLOOR, 16])
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_checkpoint_inputs_move_and_gradients_are_unchanged(use_reentrant):
+def test_checkpoint_inputs_move_and_gradients_are_unchanged(use_reentrant, piece_floor):
     blocks = _stack(5, 24, "cpu")
     x, s = torch.randn(3, 7, 24), torch.randn(3, 24)
     out, grads = _run(blocks, x, s, use_reentrant, None)
-    offload = HostOffload(min_bytes=0, devices=("cpu",))
+    offload = HostOffload(min_bytes=0, devices=("cpu",), piece_floor=piece_floor)
     out_o, grads_o = _run(blocks, x, s, use_reentrant, offload)
     for got, want in zip(out_o + grads_o, out + grads, strict=True):
         assert torch.equal(got, want)
@@ -67,6 +68,24 @@ def test_checkpoint_inputs_move_and_gradients_are_unchanged(use_reentrant):
     # saved activations go to the checkpoint
     per_block = (x.numel() + s.numel()) * x.element_size()
     assert offload.moved_bytes == 5 * per_block
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "floor", "lengths"),
+    [
+        (2176**2 * 256, 1 << 20, [1 << 30, 1 << 27, 1 << 22]),  # z at 2176 tokens
+        (1 << 30, 1 << 20, [1 << 30]),
+        ((1 << 20) + 5, 1 << 20, [1 << 20, 5]),
+        (1000, 1 << 20, [1000]),
+        (1000, 64, [512, 256, 128, 64, 40]),
+        (0, 64, []),
+    ],
+)
+def test_host_pieces_are_exact_powers_of_two(nbytes, floor, lengths):
+    pieces = host_offload.host_pieces(nbytes, floor)
+    assert [length for _, length in pieces] == lengths
+    offsets = [offset for offset, _ in pieces]
+    assert offsets == [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 def test_small_tensors_stay_where_they_are():
