@@ -12,8 +12,10 @@ bf16 at 1664 tokens. With a key on, OF3's ``checkpoint_blocks`` runs its loop in
 :class:`of3_megafold.kernels.host_offload.HostOffload`: each checkpoint's inputs are
 copied to pinned host memory on a side stream as the forward saves them, and copied
 back one block ahead of the backward's recompute. The checkpointed blocks, their
-RNG and autocast handling and their gradients are OF3's (``torch.utils.checkpoint``
-or DeepSpeed's, whichever OF3 picks): only where the saved inputs wait changes.
+RNG and autocast handling and their gradients are OF3's (``torch.utils.checkpoint``;
+DeepSpeed's checkpoint function, which OF3 picks when DeepSpeed's checkpointing is
+configured, is untested here): only where the saved inputs wait changes. The kit's
+sequence-parallel pairformer goes through the same ``checkpoint_blocks``.
 
 The cost is two PCIe copies of every checkpoint input per step (about 2 x 7 GiB at
 768 tokens, 2 x 32 GiB at 1664), mostly hidden behind the blocks' compute, and as
@@ -73,8 +75,14 @@ def _cuda() -> registry.Check:
 
 def block_module(block: Any) -> torch.nn.Module | None:
     """The module behind one of ``checkpoint_blocks``'s callables: OF3's stacks pass
-    ``functools.partial(block_module, ...)``; anything else has none."""
+    ``functools.partial(block_module, ...)``, the kit's sequence-parallel pairformer
+    ``functools.partial(sharded_pairformer_block, block_module, ...)``; anything else
+    has none."""
     while isinstance(block, functools.partial):
+        if not isinstance(block.func, torch.nn.Module | functools.partial) and (
+            block.args and isinstance(block.args[0], torch.nn.Module)
+        ):
+            return block.args[0]
         block = block.func
     return block if isinstance(block, torch.nn.Module) else None
 

@@ -116,6 +116,12 @@ def test_block_module_unwraps_partials():
     inner = functools.partial(linear, torch.zeros(2))
     assert checkpoint_offload.block_module(functools.partial(inner)) is linear
     assert checkpoint_offload.block_module(lambda x: x) is None
+    # the sequence-parallel pairformer's form: a function taking the block first
+    from of3_megafold.parallel.pairformer import sharded_pairformer_block
+
+    sharded = functools.partial(sharded_pairformer_block, linear, block_index=0)
+    assert checkpoint_offload.block_module(sharded) is linear
+    assert checkpoint_offload.block_module(functools.partial(print, 1)) is None
 
 
 @gpu

@@ -89,6 +89,43 @@ def test_patched_stack_matches_stock(tmp_path, world_size):
     run_on_ranks(_stack_body, world_size, tmp_path, seed)
 
 
+def _offload_body(rank, world_size, seed):
+    """checkpoint_offload inside the sharded stack: the shards' checkpoint inputs
+    move (CPU tensors, as the extension's CPU tests move them) and the results are
+    the same bits as without it."""
+    from of3_megafold.extensions import checkpoint_offload
+    from of3_megafold.kernels.host_offload import HostOffload
+
+    activate()
+    checkpoint_offload.OFFLOAD_DEVICES, checkpoint_offload.MIN_BYTES = ("cpu",), 0
+    moved = []
+    exit_ = HostOffload.__exit__
+
+    def record(self, *exc_info):
+        moved.append(self.moved_bytes)
+        return exit_(self, *exc_info)
+
+    HostOffload.__exit__ = record
+    inputs, grads = make_inputs(seed)
+    stack = plan(make_stack(seed, pair_dropout=0.25, blocks_per_ckpt=1), world_size)
+    results = []
+    for on in (False, True):
+        memory = SimpleNamespace(train={checkpoint_offload.FLAG: on}, eval={})
+        for m in stack.modules():
+            object.__setattr__(m, registry.MEMORY_ATTR, memory)
+        torch.manual_seed(seed + rank)
+        results.append(run(stack_forward(stack), [stack], inputs, grads))
+    assert moved and all(m > 0 for m in moved), moved
+    for got, want in zip(results[1], results[0], strict=True):
+        assert_close(got, want, 0.0, "offloaded sharded stack")
+    groups.reset_sequence_parallel()
+
+
+def test_checkpoint_offload_in_the_sharded_stack(tmp_path):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    run_on_ranks(_offload_body, 2, tmp_path, seed)
+
+
 @pytest.fixture
 def kit():
     activate()
