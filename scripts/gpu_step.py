@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--providers",
         default=None,
-        help="comma-separated providers (default: stock,stock-triton[,kit])",
+        help="comma-separated providers (default: stock,stock-triton[,kit]; "
+        "kit-without-<extension> is the kit less one extension)",
     )
     parser.add_argument("--tokens", type=parse_ints, default=[384, 768])
     parser.add_argument("--launch-tokens", type=parse_ints, default=[384])

@@ -1136,7 +1136,8 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     "providers",
     multiple=True,
     help="Provider to run (repeatable): stock, stock-triton, stock-cueq, "
-    "stock-cueq-tf32, stock-deepspeed, kit, or an extension name. Default: every "
+    "stock-cueq-tf32, stock-deepspeed, kit, an extension name, or "
+    "kit-without-<extension> (the kit less one extension). Default: every "
     "provider available here except the stock-cueq and stock-deepspeed ones.",
 )
 @click.option(
