@@ -19,7 +19,8 @@ sequence-parallel pairformer goes through the same ``checkpoint_blocks``.
 
 The cost is two PCIe copies of every checkpoint input per step (about 2 x 7 GiB at
 768 tokens, 2 x 32 GiB at 1664), mostly hidden behind the blocks' compute, and as
-much pinned host memory as the inputs take. CUDA tensors only; a stack that runs
+much pinned host memory as the inputs take (a tensor that would leave the host less
+than 8 GiB available stays on the device, warned once per stack). CUDA tensors only; a stack that runs
 without checkpoints (inference, ``blocks_per_ckpt`` unset), inside another
 saved-tensor hook (an outer checkpoint's region, a user's ``save_on_cpu``), or on
 CPU tensors runs exactly as OF3's.

@@ -37,16 +37,38 @@ Imports neither OpenFold3 nor Triton.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_BYTES = 1 << 20
 """Saved tensors smaller than this stay where they are (1 MiB: masks, single reps)."""
 
 PIECE_FLOOR = 1 << 20
 """Host pieces are powers of two down to this size; below it, one last piece."""
+
+HOST_RESERVE_BYTES = 8 << 30
+"""A tensor moves only if the host keeps this much available memory after it (8 GiB
+for the data loader workers and the rest of the process); otherwise it stays on the
+device, so a step that would exhaust the host's memory runs, and runs as OF3's
+would, instead of being killed."""
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` (Linux); None where it cannot be read
+    (then nothing is held back)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -149,10 +171,15 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         prefetch: on unpacking a tensor, start copying back as many bytes of the
             not yet unpacked tensors packed before it.
         piece_floor: smallest power-of-two host piece (:func:`host_pieces`).
+        host_reserve: host memory (bytes) left available after a move; a tensor
+            that would take the host below it stays on the device
+            (:data:`HOST_RESERVE_BYTES`; checked with :func:`host_available_bytes`).
 
     Attributes:
         moved_bytes: bytes copied to the host so far by this context (for logs and
             tests).
+        kept_bytes: bytes of tensors that stayed on the device for lack of host
+            memory (logged once per context).
     """
 
     def __init__(
@@ -161,18 +188,30 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         devices: Iterable[str] = ("cuda",),
         prefetch: bool = True,
         piece_floor: int = PIECE_FLOOR,
+        host_reserve: int = HOST_RESERVE_BYTES,
     ):
         self.min_bytes = max(int(min_bytes), 1)
         self.devices = frozenset(devices)
         self.prefetch = prefetch
         self.piece_floor = piece_floor
+        self.host_reserve = host_reserve
         self.moved_bytes = 0
+        self.kept_bytes = 0
         self._last: _Stash | None = None
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device.type not in self.devices or nbytes < self.min_bytes:
+            return tensor
+        available = host_available_bytes()
+        if available is not None and available - nbytes < self.host_reserve:
+            if not self.kept_bytes:
+                logger.warning(
+                    "host memory low (%.1f GiB available, %.1f GiB kept in reserve): "
+                    "saved tensors that do not fit stay on %s",
+                    available / 2**30, self.host_reserve / 2**30, tensor.device)
+            self.kept_bytes += nbytes
             return tensor
         self.moved_bytes += nbytes
         self._last = _Stash(tensor, self.piece_floor, self._last)

@@ -99,6 +99,32 @@ def test_small_tensors_stay_where_they_are():
         assert torch.equal(got, want)
 
 
+def test_tensors_stay_when_the_host_runs_low(monkeypatch, caplog):
+    """Past the host reserve tensors stay on the device (warned once); the rest
+    still move, and the gradients do not change."""
+    blocks = _stack(4, 16, "cpu")
+    x, s = torch.randn(2, 9, 16), torch.randn(2, 16)
+    x_bytes = x.numel() * x.element_size()
+    available = iter([10 * x_bytes, 10 * x_bytes] + [x_bytes] * 100)
+    monkeypatch.setattr(host_offload, "host_available_bytes", lambda: next(available))
+    out, grads = _run(blocks, x, s, False, None)
+    offload = HostOffload(min_bytes=x_bytes, devices=("cpu",),
+                          host_reserve=2 * x_bytes)
+    with caplog.at_level("WARNING", logger=host_offload.__name__):
+        out_o, grads_o = _run(blocks, x, s, False, offload)
+    assert offload.moved_bytes == 2 * x_bytes  # the first two blocks' x
+    assert offload.kept_bytes == 2 * x_bytes
+    assert [r.getMessage().startswith("host memory low") for r in caplog.records] == [
+        True]
+    for got, want in zip(out_o + grads_o, out + grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_host_available_bytes_reads_meminfo():
+    available = host_offload.host_available_bytes()
+    assert available is None or available > 0
+
+
 def test_cpu_tensors_stay_unless_cpu_is_named():
     offload = HostOffload(min_bytes=0)  # CUDA only
     x = torch.randn(4, 4, requires_grad=True)
