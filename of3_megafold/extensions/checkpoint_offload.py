@@ -111,6 +111,7 @@ def _offloads(blocks, args, blocks_per_ckpt) -> bool:
 
 
 def _patch_checkpoint_blocks(original):
+    @torch.jit.ignore  # as OF3's: scripted callers leave it to Python
     def checkpoint_blocks(blocks, args, blocks_per_ckpt, use_reentrant=None):
         if not _offloads(blocks, args, blocks_per_ckpt):
             return original(blocks, args, blocks_per_ckpt, use_reentrant)
