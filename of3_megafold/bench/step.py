@@ -25,10 +25,10 @@ A *provider* is a model-config update, a nested dict merged into OF3's model con
 exactly like ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``,
 ``stock-triton`` turns on OF3's own Triton triangle-attention kernel, ``kit`` turns
 on every available kit extension, each kit extension is also a provider of its
-own name, and ``kit-without-<extension>`` is the kit less one extension. ``stock-cueq`` (``-tf32``: with TF32 matmuls, which its fp32 backward
-needs) and ``stock-deepspeed`` turn on OF3's flags for cuEquivariance's and
-DeepSpeed's kernels; they run only when named, and a failure of theirs is a row's
-``error``. All providers
+own name, and ``kit-without-<extension>`` is the kit less one extension.
+``stock-cueq`` (``-tf32``: with TF32 matmuls, which its fp32 backward needs) and
+``stock-deepspeed`` turn on OF3's flags for cuEquivariance's and DeepSpeed's kernels;
+they run only when named, and a failure of theirs is a row's ``error``. All providers
 run in one process on the same weights (same seed) and the same batch, so their
 times and losses can be compared directly.
 

@@ -17,13 +17,13 @@ DeepSpeed's checkpoint function, which OF3 picks when DeepSpeed's checkpointing 
 configured, is untested here): only where the saved inputs wait changes. The kit's
 sequence-parallel pairformer goes through the same ``checkpoint_blocks``.
 
-The cost is two PCIe copies of every checkpoint input per step (about 2 x 7 GiB at
-768 tokens, 2 x 32 GiB at 1664), mostly hidden behind the blocks' compute, and as
-much pinned host memory as the inputs take (a tensor that would leave the host less
-than 8 GiB available stays on the device, warned once per stack). CUDA tensors only; a stack that runs
-without checkpoints (inference, ``blocks_per_ckpt`` unset), inside another
-saved-tensor hook (an outer checkpoint's region, a user's ``save_on_cpu``), or on
-CPU tensors runs exactly as OF3's.
+The cost is two PCIe copies of every checkpoint input per step (the trunk's ``z``
+alone: 2 x 6.8 GiB at 768 tokens, 2 x 32 GiB at 1664), on their own stream beside the
+blocks' compute, and as much pinned host memory as the inputs take (a tensor that
+would leave the host less than 8 GiB available stays on the device, warned once per
+stack). CUDA tensors only; a stack that runs without checkpoints (inference,
+``blocks_per_ckpt`` unset), inside another saved-tensor hook (an outer checkpoint's
+region, a user's ``save_on_cpu``), or on CPU tensors runs exactly as OF3's.
 """
 
 from __future__ import annotations
@@ -71,7 +71,13 @@ def _cuda() -> registry.Check:
             "no CUDA device; offloading moves GPU memory to the host (without the key "
             "the checkpoints keep their inputs on the device, as OF3's)"
         )
-    return True, f"CUDA: {torch.cuda.get_device_name()}"
+    from of3_megafold.kernels.host_offload import host_available_bytes
+
+    reason = f"CUDA: {torch.cuda.get_device_name()}"
+    available = host_available_bytes()
+    if available is not None:
+        reason += f"; host memory available: {available / 2**30:.0f} GiB"
+    return True, reason
 
 
 def block_module(block: Any) -> torch.nn.Module | None:
@@ -122,7 +128,8 @@ def _patch_checkpoint_blocks(original):
         with offload:
             out = original(blocks, args, blocks_per_ckpt, use_reentrant)
         logger.debug("%s: %s moved %.2f GiB of checkpoint inputs to the host", NAME,
-                     type(block_module(blocks[0])).__name__, offload.moved_bytes / 2**30)
+                     type(block_module(blocks[0])).__name__,
+                     offload.moved_bytes / 2**30)
         return out
 
     return checkpoint_blocks
