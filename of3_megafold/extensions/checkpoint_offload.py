@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from of3_megafold import registry
+from of3_megafold.kernels.backend import cuda_device
+from of3_megafold.kernels.host_offload import HostOffload, host_available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +68,14 @@ the kit's sequence-parallel pairformer imports it from OF3's checkpointing modul
 
 
 def _cuda() -> registry.Check:
-    if not torch.cuda.is_available():
-        return False, (
-            "no CUDA device; offloading moves GPU memory to the host (without the key "
-            "the checkpoints keep their inputs on the device, as OF3's)"
-        )
-    from of3_megafold.kernels.host_offload import host_available_bytes
-
-    reason = f"CUDA: {torch.cuda.get_device_name()}"
+    ok, reason = cuda_device(
+        "offloading moves GPU memory to the host (without the key the checkpoints "
+        "keep their inputs on the device, as OF3's)"
+    )
     available = host_available_bytes()
-    if available is not None:
+    if ok and available is not None:
         reason += f"; host memory available: {available / 2**30:.0f} GiB"
-    return True, reason
+    return ok, reason
 
 
 def block_module(block: Any) -> torch.nn.Module | None:
@@ -100,36 +98,35 @@ def _other_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def _offloads(blocks, args, blocks_per_ckpt) -> bool:
+def _offloaded_module(blocks, args, blocks_per_ckpt) -> torch.nn.Module | None:
+    """The first block's module if this ``checkpoint_blocks`` call offloads, else
+    None (see the module docstring for what runs as OF3's)."""
     if blocks_per_ckpt is None or not torch.is_grad_enabled() or not blocks:
-        return False
+        return None
     module = block_module(blocks[0])
     if module is None or not registry.module_enabled(module, NAME, FLAG):
-        return False
+        return None
     if _other_hooks_active():
-        return False
+        return None
     tensors = [a for a in (args if isinstance(args, tuple) else (args,))
                if isinstance(a, torch.Tensor)]
     if any(t.device.type not in OFFLOAD_DEVICES for t in tensors):
         registry.log_device_fallback(NAME, tensors[0].device.type)
-        return False
-    return True
+        return None
+    return module
 
 
 def _patch_checkpoint_blocks(original):
     @torch.jit.ignore  # as OF3's: scripted callers leave it to Python
     def checkpoint_blocks(blocks, args, blocks_per_ckpt, use_reentrant=None):
-        if not _offloads(blocks, args, blocks_per_ckpt):
+        module = _offloaded_module(blocks, args, blocks_per_ckpt)
+        if module is None:
             return original(blocks, args, blocks_per_ckpt, use_reentrant)
-        from of3_megafold.kernels.host_offload import HostOffload
-
-
         offload = HostOffload(min_bytes=MIN_BYTES, devices=OFFLOAD_DEVICES)
         with offload:
             out = original(blocks, args, blocks_per_ckpt, use_reentrant)
         logger.debug("%s: %s moved %.2f GiB of checkpoint inputs to the host", NAME,
-                     type(block_module(blocks[0])).__name__,
-                     offload.moved_bytes / 2**30)
+                     type(module).__name__, offload.moved_bytes / 2**30)
         return out
 
     return checkpoint_blocks

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from of3_megafold import registry
+from of3_megafold.kernels.backend import cuda_device
 
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
@@ -58,12 +59,9 @@ _ACTIVE: contextvars.ContextVar[_RolloutGraphs | None] = contextvars.ContextVar(
 
 
 def _cuda_graphs() -> registry.Check:
-    if not torch.cuda.is_available():
-        return False, (
-            "no CUDA device; CUDA graphs need an NVIDIA GPU (without the key the "
-            "rollout runs as OF3's)"
-        )
-    return True, f"CUDA: {torch.cuda.get_device_name()}"
+    return cuda_device(
+        "CUDA graphs need an NVIDIA GPU (without the key the rollout runs as OF3's)"
+    )
 
 
 @dataclass

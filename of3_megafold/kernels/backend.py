@@ -78,6 +78,16 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def cuda_device(without: str) -> tuple[bool, str]:
+    """``(ok, reason)`` for what needs a CUDA device itself (not the Triton
+    interpreter): ``without`` says, when there is none, why and what runs instead."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, f"no CUDA device; {without}"
+    return True, f"CUDA: {torch.cuda.get_device_name()}"
+
+
 def triton_backend() -> tuple[bool, str]:
     """``(ok, reason)``: whether the kit's Triton kernels can run in this process."""
     if importlib.util.find_spec("triton") is None:

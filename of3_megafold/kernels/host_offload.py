@@ -70,6 +70,7 @@ def host_available_bytes() -> int | None:
         pass
     return None
 
+
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 

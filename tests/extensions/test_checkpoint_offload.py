@@ -15,8 +15,7 @@ import logging
 import pytest
 import torch
 
-from of3_megafold import activate, registry
-from of3_megafold.errors import ExtensionUnavailableError
+from of3_megafold import registry
 from of3_megafold.extensions import checkpoint_offload
 
 NAME = "checkpoint_offload"
@@ -49,22 +48,6 @@ def offload_on_cpu(monkeypatch, caplog):
     monkeypatch.setattr(checkpoint_offload, "OFFLOAD_DEVICES", ("cpu",))
     monkeypatch.setattr(checkpoint_offload, "MIN_BYTES", 0)
     return _moved_stacks(caplog)
-
-
-def test_keys_default_to_stock(kit):
-    from openfold3.projects.of3_all_atom.config.model_config import model_config
-
-    for mode in ("train", "eval"):
-        assert model_config.settings.memory[mode][FLAG] is False
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machine")
-def test_unavailable_without_cuda_names_the_fix():
-    ok, reason = registry.get(NAME).available()
-    assert not ok and "CUDA" in reason
-    with pytest.raises(ExtensionUnavailableError, match="no CUDA device"):
-        activate(force=[NAME])
-    activate()
 
 
 def test_training_step_moves_every_stack_and_computes_the_same(kit, offload_on_cpu):

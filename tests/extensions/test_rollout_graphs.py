@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from of3_megafold import activate, registry
-from of3_megafold.errors import ExtensionUnavailableError
+from of3_megafold import registry
 
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
@@ -78,24 +77,6 @@ def recorded_graphs(monkeypatch):
     monkeypatch.setattr(rollout_graphs, "capture", capture)
     monkeypatch.setattr(rollout_graphs._RolloutGraphs, "call", call)
     return log
-
-
-def test_keys_default_to_stock(kit):
-    from openfold3.projects.of3_all_atom.config.model_config import model_config
-
-    for mode in ("train", "eval"):
-        assert model_config.settings.memory[mode][FLAG] is False
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machine")
-def test_unavailable_without_cuda_names_the_fix():
-    ok, reason = registry.get(NAME).available()
-    assert not ok and "CUDA" in reason
-    with pytest.raises(ExtensionUnavailableError, match="CUDA graphs need"):
-        activate(force=[NAME])
-    activate(force="all")  # "all" leaves out what cannot run here
-    assert registry.forced_variant(NAME) is None
-    activate()
 
 
 def test_session_captures_the_second_call_and_replays_the_rest(kit, recorded_graphs):
