@@ -129,6 +129,9 @@ for spec in "$@"; do
         # block sizes of the triangle-multiplication kernels (diagnostic)
         # shellcheck disable=SC2086  # $extra: options for the sweep
         sweep-tm) run sweep-tm "${limit:-180}" python3 scripts/gpu_sweep_triangle_multiplication.py $extra ;;
+        # launch shapes of the LayerNorm kernels (diagnostic)
+        # shellcheck disable=SC2086  # $extra: options for the sweep
+        sweep-ln) run sweep-ln "${limit:-180}" python3 scripts/gpu_sweep_layer_norm.py $extra ;;
         # hardware counters of the kit's kernels, one ncu process per case
         # (scripts/gpu_ncu.py; $extra: case names, default all)
         # shellcheck disable=SC2086
