@@ -31,9 +31,9 @@ from of3_megafold.kernels.layer_norm._kernels import (  # noqa: E402
 )
 
 BLOCK_ROWS = (8, 16, 32, 64)
-WARPS = (2, 4, 8)
-STAGES = (1, 2, 3, 4)
-PROGRAMS_PER_SM = (4, 8, 16, 32)
+WARPS = (1, 2, 4, 8)
+STAGES = (1, 3)
+PROGRAMS_PER_SM = (4, 8, 16, 32, 64)
 
 
 def _time(call) -> float:
@@ -83,7 +83,9 @@ def sweep(n: int, c: int) -> None:
         gbs = tensors * rows * c * 2 / ms / 1e6
         print(f"{mark:1} {label:44} {ms:7.3f} ms {gbs:6.0f} GB/s", flush=True)
 
-    block_c, block_r0, warps0 = fn._blocks(c)
+    block_c, block_r0 = fn._blocks(c)
+    fwd0 = (block_r0, fn.FWD_WARPS)
+    bwd0 = (block_r0, fn.BWD_WARPS, fn.WARP_SLOTS_PER_SM // fn.BWD_WARPS)
     report("current forward", _time(lambda: fn.layer_norm_fwd(x, w, b, 1e-5)), 2, "*")
     report("current backward (+ dw/db sum)",
            _time(lambda: fn.layer_norm_bwd(dy, x, w, mean, rstd, True)), 3, "*")
@@ -101,7 +103,7 @@ def sweep(n: int, c: int) -> None:
         if block_r * block_c < 32 * warps:
             continue
         ms = _time(lambda: _fwd(x, w, b, block_r, warps))  # noqa: B023
-        mark = "*" if (block_r, warps) == (block_r0, warps0) else ""
+        mark = "*" if (block_r, warps) == fwd0 else ""
         report(f"fwd BLOCK_R={block_r} warps={warps}", ms, 2, mark)
     for block_r, warps, stages, per_sm in itertools.product(
         BLOCK_ROWS, WARPS, STAGES, PROGRAMS_PER_SM
@@ -114,9 +116,9 @@ def sweep(n: int, c: int) -> None:
     results.sort()
     print("backward candidates, fastest first (BLOCK_R, warps, stages, programs/SM):")
     for ms, block_r, warps, stages, per_sm in results[:15]:
-        mark = "*" if (block_r, warps, per_sm) == (block_r0, warps0, 4) else ""
+        mark = "*" if (block_r, warps, per_sm) == bwd0 else ""
         report(f"bwd {block_r:3} {warps} {stages} {per_sm:3}", ms, 3, mark)
-    current = [r for r in results if (r[1], r[2], r[4]) == (block_r0, warps0, 4)]
+    current = [r for r in results if (r[1], r[2], r[4]) == bwd0]
     for ms, block_r, warps, stages, per_sm in current:
         label = f"bwd {block_r:3} {warps} {stages} {per_sm:3} (current but stages)"
         report(label, ms, 3, "*")
