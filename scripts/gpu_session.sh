@@ -132,6 +132,10 @@ for spec in "$@"; do
         # launch shapes of the LayerNorm kernels (diagnostic)
         # shellcheck disable=SC2086  # $extra: options for the sweep
         sweep-ln) run sweep-ln "${limit:-180}" python3 scripts/gpu_sweep_layer_norm.py $extra ;;
+        # OF3's local atom attention, its core as OF3 runs it and on torch's fused
+        # attention: whether a kernel would pay there (diagnostic)
+        # shellcheck disable=SC2086  # $extra: options for the script
+        cross-attn) run cross-attn "${limit:-120}" python3 scripts/gpu_cross_attention.py $extra ;;
         # hardware counters of the kit's kernels, one ncu process per case
         # (scripts/gpu_ncu.py; $extra: case names, default all)
         # shellcheck disable=SC2086

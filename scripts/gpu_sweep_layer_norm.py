@@ -30,10 +30,15 @@ from of3_megafold.kernels.layer_norm._kernels import (  # noqa: E402
     _layer_norm_fwd_kernel,
 )
 
-BLOCK_ROWS = (8, 16, 32, 64)
+BLOCK_ROWS = (2, 4, 8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
-STAGES = (1, 3)
+STAGES = (3,)
 PROGRAMS_PER_SM = (4, 8, 16, 32, 64)
+
+
+def _fits(elements: int, warps: int) -> bool:
+    """Whether a step of ``elements`` gives each thread 1 to 128 of them."""
+    return 32 * warps <= elements <= 128 * 32 * warps
 
 
 def _time(call) -> float:
@@ -85,7 +90,7 @@ def sweep(n: int, c: int) -> None:
 
     block_c, block_r0 = fn._blocks(c)
     fwd0 = (block_r0, fn.FWD_WARPS)
-    bwd0 = (block_r0, fn.BWD_WARPS, fn.WARP_SLOTS_PER_SM // fn.BWD_WARPS)
+    bwd0 = (*fn._bwd_blocks(c)[1:], fn.BWD_PROGRAMS_PER_SM)
     report("current forward", _time(lambda: fn.layer_norm_fwd(x, w, b, 1e-5)), 2, "*")
     report("current backward (+ dw/db sum)",
            _time(lambda: fn.layer_norm_bwd(dy, x, w, mean, rstd, True)), 3, "*")
@@ -100,7 +105,7 @@ def sweep(n: int, c: int) -> None:
            _time(lambda: torch.autograd.grad(yt, grads, dy, retain_graph=True)), 3)
     results = []
     for block_r, warps in itertools.product(BLOCK_ROWS, WARPS):
-        if block_r * block_c < 32 * warps:
+        if not _fits(block_r * block_c, warps):
             continue
         ms = _time(lambda: _fwd(x, w, b, block_r, warps))  # noqa: B023
         mark = "*" if (block_r, warps) == fwd0 else ""
@@ -108,20 +113,16 @@ def sweep(n: int, c: int) -> None:
     for block_r, warps, stages, per_sm in itertools.product(
         BLOCK_ROWS, WARPS, STAGES, PROGRAMS_PER_SM
     ):
-        if block_r * block_c < 32 * warps:
+        if not _fits(block_r * block_c, warps):
             continue
         ms = _time(lambda: _bwd(dy, x, w, mean, rstd, block_r, warps, stages,  # noqa: B023
                                 per_sm))  # noqa: B023
         results.append((ms, block_r, warps, stages, per_sm))
     results.sort()
     print("backward candidates, fastest first (BLOCK_R, warps, stages, programs/SM):")
-    for ms, block_r, warps, stages, per_sm in results[:15]:
+    for ms, block_r, warps, stages, per_sm in results:
         mark = "*" if (block_r, warps, per_sm) == bwd0 else ""
         report(f"bwd {block_r:3} {warps} {stages} {per_sm:3}", ms, 3, mark)
-    current = [r for r in results if (r[1], r[2], r[4]) == bwd0]
-    for ms, block_r, warps, stages, per_sm in current:
-        label = f"bwd {block_r:3} {warps} {stages} {per_sm:3} (current but stages)"
-        report(label, ms, 3, "*")
 
 
 def main() -> None:

@@ -35,30 +35,35 @@ _fwd = TunedKernel(_layer_norm_fwd_kernel)
 _bwd = TunedKernel(_layer_norm_bwd_kernel)
 
 
-def _blocks(c: int) -> tuple[int, int]:
-    """``(BLOCK_C, BLOCK_R)``: about 4096 elements per program step."""
+def _blocks(c: int, elements: int = 4096) -> tuple[int, int]:
+    """``(BLOCK_C, BLOCK_R)``: about ``elements`` elements per program step."""
     block_c = max(16, next_power_of_2(c))
-    return block_c, max(1, min(64, 4096 // block_c))
+    return block_c, max(1, min(64, elements // block_c))
 
 
-# Warps per program: the forward's programs are one row block each; the backward's
-# are few and long-lived, so it runs narrow programs and enough of them to fill
-# every SM's 64 warp slots. On the H200 at the pair representation's [N^2, 128]
-# this halved the backward against 4 warps x 4 programs per SM (0.523 -> 0.263 ms
-# at N=768; scripts/gpu_sweep_layer_norm.py, docs/benchmarks.md "LayerNorm launch
-# shapes").
+# The forward runs one program per row block of 4096 elements, 4 warps. The
+# backward's programs are long-lived (each owns a run of rows and one dw/db partial):
+# narrow ones, one warp per 2048-element step, 32 of them per SM. On the H200 at the
+# pair representation's [N^2, 128] bf16 that measured best of BLOCK_R x warps x
+# programs per SM (scripts/gpu_sweep_layer_norm.py; docs/benchmarks.md, "LayerNorm
+# launch shapes").
 FWD_WARPS = 4
-BWD_WARPS = 2
-WARP_SLOTS_PER_SM = 64
+BWD_ELEMENTS = 2048
+BWD_PROGRAMS_PER_SM = 32
+
+
+def _bwd_blocks(c: int) -> tuple[int, int, int]:
+    """Backward ``(BLOCK_C, BLOCK_R, num_warps)``: a warp per 2048 elements."""
+    block_c, block_r = _blocks(c, BWD_ELEMENTS)
+    return block_c, block_r, max(1, block_c * block_r // BWD_ELEMENTS)
 
 
 def _programs(device_index: int | None) -> int:
-    """Backward programs: ``WARP_SLOTS_PER_SM // BWD_WARPS`` per SM (each keeps one
-    fp32 partial of dw and db); 4 under the interpreter, so that small tests split
-    the rows."""
+    """Backward programs: ``BWD_PROGRAMS_PER_SM`` per SM (each keeps one fp32 partial
+    of dw and db); 4 under the interpreter, so that small tests split the rows."""
     if interpreter_enabled() or not torch.cuda.is_available():
         return 4
-    return WARP_SLOTS_PER_SM // BWD_WARPS * multiprocessors(device_index)
+    return BWD_PROGRAMS_PER_SM * multiprocessors(device_index)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -103,7 +108,7 @@ def layer_norm_bwd(
     weight and bias (per-program partials summed in a fixed order), else ``None``."""
     rows, c = x2.shape
     dx = torch.empty_like(x2)
-    block_c, block_r = _blocks(c)
+    block_c, block_r, warps = _bwd_blocks(c)
     programs = max(1, min(_programs(x2.device.index), cdiv(rows, block_r)))
     per_program = cdiv(rows, programs)
     programs = cdiv(rows, per_program)
@@ -114,7 +119,7 @@ def layer_norm_bwd(
         part[0] if part is not None else x2, part[1] if part is not None else x2,
         rows, c, per_program,
         HAS_W=weight is not None, NEED_DWB=part is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=BWD_WARPS,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )
     if part is None:
         return dx, None, None
