@@ -45,6 +45,20 @@ def _time(call) -> float:
     return triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
 
 
+def _back_to_back(call, calls: int = 100) -> float:
+    """ms per call over ``calls`` queued without a flush or sync between them: the
+    rate a model sees, host launch cost included where it exceeds the GPU's."""
+    call()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def _fwd(x, w, b, block_r, warps):
     rows, c = x.shape
     y = torch.empty_like(x)
@@ -92,8 +106,11 @@ def sweep(n: int, c: int) -> None:
     fwd0 = (block_r0, fn.FWD_WARPS)
     bwd0 = (*fn._bwd_blocks(c)[1:], fn.BWD_PROGRAMS_PER_SM)
     report("current forward", _time(lambda: fn.layer_norm_fwd(x, w, b, 1e-5)), 2, "*")
-    report("current backward (+ dw/db sum)",
-           _time(lambda: fn.layer_norm_bwd(dy, x, w, mean, rstd, True)), 3, "*")
+    bwd = lambda: fn.layer_norm_bwd(dy, x, w, mean, rstd, True)  # noqa: E731
+    report("current backward (+ dw/db sum)", _time(bwd), 3, "*")
+    report("current forward, back to back",
+           _back_to_back(lambda: fn.layer_norm_fwd(x, w, b, 1e-5)), 2, "*")
+    report("current backward, back to back", _back_to_back(bwd), 3, "*")
     xt = x.clone().requires_grad_(True)
     wt, bt = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
     yt = torch.nn.functional.layer_norm(xt, (c,), wt.bfloat16(), bt.bfloat16())
