@@ -103,6 +103,11 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+# Launch options a call may pass to a kernel that is not autotuned, beside its
+# arguments (``kernel[grid](..., num_warps=2)``).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
 class TunedKernel:
     """``kernel[grid](**kwargs)`` for a ``triton.autotune``/``triton.heuristics``
     wrapped kernel, with the dispatch done once per tuning key.
@@ -113,7 +118,8 @@ class TunedKernel:
         fixed: meta-parameters (e.g. block sizes) for a kernel that is not autotuned
             (also: every kernel under the Triton interpreter, where nothing is tuned).
         options: launch options (``num_warps``, ...) for a kernel that is not
-            autotuned.
+            autotuned; a call may pass its own (``LAUNCH_OPTIONS``), which then
+            hold for that call and are remembered with its key.
         presets: called once, at the first launch of an autotuned kernel: returns
             ``{tuning key: {"kwargs", "num_warps", "num_stages"}}``, keys with dtypes
             as strings (as Triton writes them). An entry that names none of the
@@ -195,10 +201,16 @@ class TunedKernel:
         return (*[kwargs[name] for name in self._key_names], *dtypes)
 
     def _launch(self, grid, kwargs: dict[str, Any]) -> None:
+        given = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
+        if given and self._tuner is not None:
+            raise TypeError(f"{sorted(given)}: an autotuned kernel's launch options "
+                            "come from its configurations")
         key = self._key(kwargs)
+        if given:  # a launch option is part of what was chosen for the key
+            key = (*key, *sorted(given.items()))
         chosen = self._chosen.get(key)
         if chosen is None:
-            self._first_launch(key, grid, kwargs)
+            self._first_launch(key, grid, kwargs, given)
             return
         meta, options = chosen
         values = {**self._defaults, **kwargs, **meta}
@@ -210,12 +222,16 @@ class TunedKernel:
         else:
             self._jit.run(*args, grid=grid, warmup=False, **options)
 
-    def _first_launch(self, key: tuple, grid, kwargs: dict[str, Any]) -> None:
+    def _first_launch(
+        self, key: tuple, grid, kwargs: dict[str, Any], given: dict[str, Any]
+    ) -> None:
         """Through Triton's wrappers (tuning, caches, compilation); remembers the
-        choice unless a config carries a pre-hook (then every launch goes this way)."""
+        choice unless a config carries a pre-hook (then every launch goes this way).
+        ``given``: launch options of this call (a kernel that is not autotuned)."""
         if self._tuner is None:
-            self._entry[grid](**kwargs, **self._fixed, **self._options)
-            self._chosen[key] = (self._fixed, self._options)
+            options = {**self._options, **given}
+            self._entry[grid](**kwargs, **self._fixed, **options)
+            self._chosen[key] = (self._fixed, options)
             return
         config = self._preset(key)
         if config is not None:

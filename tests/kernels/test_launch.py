@@ -157,6 +157,42 @@ def test_positional_arguments_in_parameter_order():
         kernel[(1,)](x, y, 17, 1.0, 16, True, 0)
 
 
+def test_launch_options_of_each_call_are_kept(monkeypatch):
+    """A call's ``num_warps`` holds for every later launch with it, and another
+    value gets its own entry (they were once dropped after the first launch)."""
+    from of3_megafold.kernels._launch import TunedKernel
+
+    heuristic, tuned = _kernels()
+    kernel = TunedKernel(heuristic, {"BLOCK": 16})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(32, device=device)
+    seen = []
+    if kernel._direct is not None:
+        direct = kernel._direct
+
+        def record(grid, args, options, key):
+            seen.append(options.get("num_warps"))
+            direct(grid, args, options, key)
+
+        monkeypatch.setattr(kernel, "_direct", record)
+    else:
+        run = kernel._jit.run
+
+        def record(*args, **kwargs):
+            seen.append(kwargs.get("num_warps"))
+            return run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel._jit, "run", record)
+    for warps in (1, 2, 1, 2):
+        y = torch.empty_like(x)
+        kernel[(2,)](X=x, Y=y, n=32, alpha=3.0, num_warps=warps)
+        torch.testing.assert_close(y, _expected(x, 3.0))
+    assert seen[-2:] == [1, 2]  # the remembered launches
+    assert len(kernel._chosen) == 2
+    with pytest.raises(TypeError, match="autotuned kernel's launch options"):
+        TunedKernel(tuned)[(1,)](X=x, Y=y, n=32, alpha=1.0, num_warps=2)
+
+
 def test_entries_built_for_another_list_are_ignored(tmp_path, monkeypatch, caplog):
     """Per kernel: the entries of a kernel whose candidate list changed since the
     table was built are ignored, the others' kept; a table from before per-kernel
