@@ -9,8 +9,10 @@ that path costs, to say whether a kernel for it would pay: OF3's own
 c_atompair 16, ``use_high_precision_attention=True`` as the diffusion module calls it)
 forward + backward under bf16 autocast on ``[1, S, n_atom, 128]``, once as OF3 runs it
 and once with OF3's ``_attention`` core swapped for torch's
-``scaled_dot_product_attention`` (fused, never materialising the logits: a stand-in
-for what a kit kernel would do). Per variant: median ms, peak MiB above the inputs, and
+``scaled_dot_product_attention`` (fused, never materialising the logits: the nearest
+stand-in for a kernel, with a handicap a kit kernel would not have: its mask is 4-D,
+so the pair bias is materialised over the samples and its gradient comes back at that
+size). Per variant: median ms, peak MiB above the inputs, and
 the MiB the forward keeps for the backward. The step at those crops calls this module
 six times with gradients (3 encoder + 3 decoder blocks, 48 samples); the mini rollout
 calls it forward-only, with one sample. Diagnostic only: no kit code is involved.

@@ -15,8 +15,9 @@ The key is mutually exclusive with OF3's own kernel flags
 section turns ``use_triton_triangle_kernels`` on by default.
 
 The kernel takes equal query and key lengths. ``CrossAttentionPairBias`` (OF3's local
-atom attention: blocks of 32 queries against 128 keys, a few MB of logits) therefore
-keeps OF3's path; whether a kernel would pay there was not measured.
+atom attention: blocks of 32 queries against 128 keys) therefore keeps OF3's path;
+the whole module is 2-3% of a training step (docs/benchmarks.md,
+"CrossAttentionPairBias, measured"), the bound on what a kernel could save there.
 """
 
 from __future__ import annotations
