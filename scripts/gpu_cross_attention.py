@@ -120,7 +120,7 @@ def main() -> None:
                   f"{r['ms']:8.3f} ms  peak {r['peak_mib']:7.0f} MiB  "
                   f"kept {r['kept_mib']:7.0f} MiB", flush=True)
         saved = rows["of3"]["ms"] - rows["sdpa"]["ms"]
-        print(f"n_atom={n_atom:6}: a fused core saves {saved:.3f} ms and "
+        print(f"n_atom={n_atom:6}: the SDPA core saves {saved:.3f} ms and "
               f"{rows['of3']['kept_mib'] - rows['sdpa']['kept_mib']:.0f} MiB kept per "
               f"call; x6 calls a step: {6 * saved:.1f} ms")
 

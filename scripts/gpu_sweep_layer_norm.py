@@ -4,11 +4,14 @@
 
 For the pair representation's LayerNorm (``[N^2, C]`` bf16 rows, fp32 affine), each
 candidate of the forward (``BLOCK_R``, ``num_warps``) and of the backward
-(``BLOCK_R``, ``num_warps``, ``num_stages``, programs per SM) alone, with
+(``BLOCK_R``, ``num_warps``, programs per SM) alone, with
 ``triton.testing.do_bench`` medians in ms and the bytes moved per ms; the launchers'
 current choices are marked ``*``, and ``torch.nn.functional.layer_norm`` (bf16 in,
 torch's own kernels) is timed beside them. Diagnostic only: the chosen shapes live in
-``of3_megafold/kernels/layer_norm/function.py``.
+``of3_megafold/kernels/layer_norm/function.py``. ``num_stages`` is left at Triton's
+default: 1 and 3 timed the same to 1 us for each of the fastest backward candidates at
+``[768^2, 128]``, where the log lists both
+(``docs/benchmarks/logs/2026-12-02-s27-sweep-ln-462aa9a.log``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from of3_megafold.kernels.layer_norm._kernels import (  # noqa: E402
 
 BLOCK_ROWS = (2, 4, 8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
-STAGES = (3,)
 PROGRAMS_PER_SM = (4, 8, 16, 32, 64)
 
 
@@ -71,7 +73,7 @@ def _fwd(x, w, b, block_r, warps):
     )
 
 
-def _bwd(dy, x, w, mean, rstd, block_r, warps, stages, per_sm):
+def _bwd(dy, x, w, mean, rstd, block_r, warps, per_sm):
     rows, c = x.shape
     dx = torch.empty_like(x)
     sms = multiprocessors(x.device.index)
@@ -82,7 +84,7 @@ def _bwd(dy, x, w, mean, rstd, block_r, warps, stages, per_sm):
     _layer_norm_bwd_kernel[(programs,)](
         x, w, dy, mean, rstd, dx, part[0], part[1], rows, c, per_program,
         HAS_W=True, NEED_DWB=True, BLOCK_R=block_r, BLOCK_C=fn._blocks(c)[0],
-        num_warps=warps, num_stages=stages,
+        num_warps=warps,
     )
     part.sum(dim=1)
 
@@ -127,19 +129,16 @@ def sweep(n: int, c: int) -> None:
         ms = _time(lambda: _fwd(x, w, b, block_r, warps))  # noqa: B023
         mark = "*" if (block_r, warps) == fwd0 else ""
         report(f"fwd BLOCK_R={block_r} warps={warps}", ms, 2, mark)
-    for block_r, warps, stages, per_sm in itertools.product(
-        BLOCK_ROWS, WARPS, STAGES, PROGRAMS_PER_SM
-    ):
+    for block_r, warps, per_sm in itertools.product(BLOCK_ROWS, WARPS, PROGRAMS_PER_SM):
         if not _fits(block_r * block_c, warps):
             continue
-        ms = _time(lambda: _bwd(dy, x, w, mean, rstd, block_r, warps, stages,  # noqa: B023
-                                per_sm))  # noqa: B023
-        results.append((ms, block_r, warps, stages, per_sm))
+        ms = _time(lambda: _bwd(dy, x, w, mean, rstd, block_r, warps, per_sm))  # noqa: B023
+        results.append((ms, block_r, warps, per_sm))
     results.sort()
-    print("backward candidates, fastest first (BLOCK_R, warps, stages, programs/SM):")
-    for ms, block_r, warps, stages, per_sm in results:
+    print("backward candidates, fastest first (BLOCK_R, warps, programs/SM):")
+    for ms, block_r, warps, per_sm in results:
         mark = "*" if (block_r, warps, per_sm) == bwd0 else ""
-        report(f"bwd {block_r:3} {warps} {stages} {per_sm:3}", ms, 3, mark)
+        report(f"bwd {block_r:3} {warps} {per_sm:3}", ms, 3, mark)
 
 
 def main() -> None:
