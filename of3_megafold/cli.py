@@ -30,8 +30,10 @@ BENCHMARKS = {
     "features": ("features",),
 }
 """``of3-megafold bench <what>`` -> modules of ``of3_megafold.bench``, each with
-``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` is the
-training-step harness's own command (:func:`of3_megafold.bench.step.step_command`)."""
+``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` (one
+training step on random features, :func:`of3_megafold.bench.step.step_command`) and
+``bench train`` (OF3's training loop, :func:`of3_megafold.bench.train.train_command`)
+are commands of their own."""
 
 
 def _default_bench_dir() -> Path:
@@ -354,7 +356,7 @@ class _BenchGroup(click.Group):
     """Builds its commands on demand, so the CLI does not import torch to start."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*BENCHMARKS, "step"])
+        return sorted([*BENCHMARKS, "step", "train"])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in self.list_commands(ctx):
@@ -363,6 +365,10 @@ class _BenchGroup(click.Group):
             from of3_megafold.bench.step import step_command
 
             return step_command
+        if name == "train":
+            from of3_megafold.bench.train import train_command
+
+            return train_command
         return _module_bench(name)
 
 

@@ -28,7 +28,7 @@ import os
 import string
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +392,8 @@ def run_demo_training(
     data_seed: int | None = None,
     dataset_dir: Path | None = None,
     progress: bool = True,
+    recorder: LossRecorder | None = None,
+    callbacks: Sequence[pl.Callback] = (),
 ) -> dict[str, Any]:
     """Train OF3 on the demo set; write a checkpoint, ``losses.csv`` and ``losses.png``.
 
@@ -411,6 +413,10 @@ def run_demo_training(
         dataset_dir: a built demo set; None builds or reuses the cached one
             (:func:`ensure_demo_dataset`).
         progress: progress bars for the build and the training steps.
+        recorder: the loss recorder to train with (a subclass may record more,
+            e.g. :class:`of3_megafold.bench.train.TrainStepTimer`); None for a
+            plain :class:`LossRecorder`.
+        callbacks: further Lightning callbacks for the fit.
 
     Returns:
         ``output_dir``, ``runner_yaml`` (the resolved copy), ``dataset_dir``,
@@ -443,7 +449,7 @@ def run_demo_training(
 
     _configure_torch_backend()
     experiment_config = TrainingExperimentConfig.model_validate(runner_dict)
-    recorder = LossRecorder()
+    recorder = LossRecorder() if recorder is None else recorder
     start = time.perf_counter()
     device = runner_dict["pl_trainer_args"]["accelerator"]
     with _wandb_disabled(), _cpu_threads(device), warnings.catch_warnings():
@@ -454,7 +460,7 @@ def run_demo_training(
         runner = TrainingExperimentRunner(experiment_config)
         runner.setup()
         # Before run(): OF3 builds the Trainer from this (cached) list there.
-        runner.callbacks.append(recorder)
+        runner.callbacks.extend([recorder, *callbacks])
         if not progress:
             _drop_progress_bars(runner)
         runner.run()

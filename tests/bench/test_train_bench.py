@@ -1,0 +1,161 @@
+"""``bench train``: OF3's training loop timed per optimizer step (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from of3_megafold.bench import train as bench_train
+from of3_megafold.bench.common import read_rows
+from of3_megafold.errors import KitError
+
+PHASE_FIELDS = [f"{phase}_ms" for phase in bench_train.PHASES]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, demo_dataset):
+    """Three steps of the demo's tiny model through ``bench train --quick``, into a
+    file that already holds another run's row (which must survive)."""
+    from of3_megafold import activate
+
+    activate()
+    out_dir = tmp_path_factory.mktemp("bench-train")
+    earlier = _row("kit", 48, 1, run="kit-48-earlier", loss=1.0)
+    (out_dir / bench_train.JSON_NAME).write_text(json.dumps([earlier]))
+    result = CliRunner().invoke(
+        bench_train.train_command,
+        ["--quick", "--out-dir", str(out_dir), "--dataset-dir", str(demo_dataset)],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    return out_dir, result.output, earlier
+
+
+def test_quick_run_writes_one_row_per_step(quick_run):
+    out_dir, output, earlier = quick_run
+    rows = read_rows(out_dir / bench_train.JSON_NAME)
+    assert rows[0] == earlier, "an earlier run's rows are kept"
+    new = rows[1:]
+    assert [row["step"] for row in new] == [1, 2, 3]
+    assert len({row["run"] for row in new}) == 1
+    for row in new:
+        assert row["provider"] == "stock" and row["n_token"] == 48
+        for field in ("gpu", "commit", "date", "torch", "openfold3"):
+            assert field in row
+        # Every phase was marked, and the phases fit in the step's wall time.
+        assert all(row[field] is not None and row[field] >= 0 for field in PHASE_FIELDS)
+        inside = row["data_wait_ms"] + sum(row[field] for field in PHASE_FIELDS)
+        assert row["forward_ms"] > 0 and row["backward_ms"] > 0
+        assert inside <= row["wall_ms"] * 1.01 + 1.0
+        # The loss is OF3's logged total, and the gradient norm a real one.
+        assert row["loss"] == row["losses"]["loss"]
+        assert math.isfinite(row["loss"]) and row["loss"] > 0
+        assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+        assert row["peak_gib"] is None  # no allocator statistics on the CPU
+    assert (out_dir / bench_train.PLOT_NAME).stat().st_size > 0
+    assert "stock" in output and "kit" in output
+
+
+def test_unreadable_json_is_refused_and_left_alone(tmp_path):
+    out = tmp_path / bench_train.JSON_NAME
+    out.write_text('[{"provider": "kit", "step": 1')  # cut off mid-write
+    with pytest.raises(KitError, match="cannot be read as a list of benchmark rows"):
+        bench_train.run_train_bench("stock", 48, 1, out, accelerator="cpu")
+    assert out.read_text() == '[{"provider": "kit", "step": 1'
+
+
+def test_bench_runner_merges_the_provider_and_the_crop(tmp_path):
+    runner = bench_train.bench_runner(
+        bench_train.DEFAULT_RUNNER_YAML, "stock", 768, "cpu", num_workers=2
+    )
+    crops = [
+        dataset["config"]["crop"]["token_crop"]["token_budget"]
+        for dataset in runner["dataset_configs"]["train"].values()
+    ]
+    assert crops == [768]
+    assert runner["data_module_args"]["num_workers"] == 2
+    assert runner["model_update"]["presets"] == ["train"]
+    assert runner["checkpoint_config"]["every_n_epochs"] == 0
+    with pytest.raises(KitError, match="unknown provider"):
+        bench_train.bench_runner(bench_train.DEFAULT_RUNNER_YAML, "fast", 384, "cpu")
+    with pytest.raises(KitError, match="unavailable"):  # OF3's Triton kernel: CUDA
+        bench_train.bench_runner(
+            bench_train.DEFAULT_RUNNER_YAML, "stock-triton", 384, "cpu"
+        )
+
+
+# -- summaries on synthetic rows ---------------------------------------------------
+
+
+def _row(provider, n_token, step, *, run=None, label=None, date="2026-01-01", **fields):
+    row = {
+        "provider": provider,
+        "label": label,
+        "n_token": n_token,
+        "step": step,
+        "run": run or f"{provider}-{label}-{n_token}-{date}",
+        "date": date,
+        "gpu": "test GPU",
+        "wall_ms": 1000.0,
+        "data_wait_ms": 0.0,
+        "forward_ms": 300.0,
+        "backward_ms": 500.0,
+        "clip_ms": 20.0,
+        "optimizer_ms": 50.0,
+        "ema_ms": 30.0,
+        "peak_gib": 10.0,
+        "loss": 2.0,
+        "grad_norm": 1.0,
+    }
+    row.update(fields)
+    return row
+
+
+def test_moving_average_is_a_trailing_mean():
+    assert bench_train.moving_average([1, 2, 3, 4], window=2) == [1, 1.5, 2.5, 3.5]
+    assert bench_train.moving_average([4.0], window=10) == [4.0]
+
+
+def test_max_relative_gap_compares_smoothed_curves_after_the_warm_up():
+    steps = range(1, 21)
+    reference = [_row("stock-triton", 384, s, loss=2.0) for s in steps]
+    # A 50% outlier at step 3 is excluded (step <= 10); one at step 15 is smoothed
+    # over 10 steps to 5%.
+    kit = [
+        _row("kit", 384, s, loss=3.0 if s == 3 else 3.0 if s == 15 else 2.0)
+        for s in steps
+    ]
+    gap = bench_train.max_relative_gap(kit, reference, "loss")
+    assert gap == pytest.approx(0.05)
+    assert bench_train.max_relative_gap(kit[:5], reference[10:], "loss") is None
+
+
+def test_steady_summary_counts_from_the_steady_step():
+    rows = [_row("kit", 384, 1, wall_ms=60_000.0, data_wait_ms=50_000.0)]
+    rows += [_row("kit", 384, s, wall_ms=1000.0 + s) for s in range(2, 12)]
+    summary = bench_train.steady_summary(rows)
+    assert summary["steps"] == 12 - bench_train.STEADY_FROM
+    assert summary["median_ms"] == pytest.approx(1008.5)
+    shares = summary["shares"]
+    assert shares["data_wait"] == 0.0
+    assert shares["forward_backward"] == pytest.approx(800 * 6 / sum(
+        1000.0 + s for s in range(6, 12)))
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_latest_runs_and_summary_table(tmp_path):
+    old = [_row("stock-triton", 384, s, date="2026-01-01", loss=9.0) for s in (1, 2)]
+    new = [_row("stock-triton", 384, s, date="2026-02-01") for s in range(1, 13)]
+    kit = [_row("kit", 384, s, loss=2.02, wall_ms=500.0) for s in range(1, 13)]
+    repeat = [_row("stock-triton", 384, s, label="repeat") for s in range(1, 13)]
+    rows = old + new + kit + repeat
+    runs = bench_train.latest_runs(rows)
+    assert runs[("stock-triton", None, 384)][0]["date"] == "2026-02-01"
+    table = bench_train.format_summary(rows)
+    kit_line = next(line for line in table.splitlines() if line.startswith("kit"))
+    assert "0.50" in kit_line and "1.0%" in kit_line  # median s; loss gap 1%
+    path = bench_train.plot_runs(rows, tmp_path / "plot.png")
+    assert path.stat().st_size > 0
