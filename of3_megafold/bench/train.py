@@ -359,6 +359,12 @@ def run_train_bench(
         }
         append_rows(out_json, [full])
         written.append(full)
+        print(
+            f"  step {row['step']:>3}: {row['wall_ms'] / 1e3:6.2f} s "
+            f"(data wait {row['data_wait_ms'] / 1e3:.2f} s), loss {row['loss']:.4g}, "
+            f"grad norm {row['grad_norm']:.4g}",
+            flush=True,
+        )
 
     timer = TrainStepTimer(on_row=write)
     with tempfile.TemporaryDirectory(prefix="of3mf-bench-train-") as work:
