@@ -9,7 +9,7 @@ stack's and the diffusion transformer's. A checkpoint keeps only its block's inp
 but at long crops those inputs are the largest thing the backward starts from: the
 trunk's 48 copies of the pair representation ``z`` ``[N, N, 128]`` are 32 GiB in
 bf16 at 1664 tokens. With a key on, OF3's ``checkpoint_blocks`` runs its loop inside
-:class:`of3_megafold.kernels.host_offload.HostOffload`: each checkpoint's inputs are
+:class:`of3_megafold.runtime.host_offload.HostOffload`: each checkpoint's inputs are
 copied to pinned host memory on a side stream as the forward saves them, and copied
 back one block ahead of the backward's recompute. The checkpointed blocks, their
 RNG and autocast handling and their gradients are OF3's (``torch.utils.checkpoint``;
@@ -36,7 +36,7 @@ import torch
 
 from of3_megafold import registry
 from of3_megafold.kernels.backend import cuda_device
-from of3_megafold.kernels.host_offload import HostOffload, host_available_bytes
+from of3_megafold.runtime.host_offload import HostOffload, host_available_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from of3_megafold.kernels import host_offload
-from of3_megafold.kernels.host_offload import HostOffload
+from of3_megafold.runtime import host_offload
+from of3_megafold.runtime.host_offload import HostOffload
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
