@@ -43,13 +43,6 @@ logger = logging.getLogger(__name__)
 NAME = "checkpoint_offload"
 FLAG = "use_checkpoint_offload"
 
-KEYS = registry.memory_flag_keys(
-    FLAG,
-    "keep OF3's activation-checkpoint inputs (the pair representation per block) in "
-    "pinned host memory between forward and backward; copies overlap compute. "
-    "Needs CUDA.",
-)
-
 OFFLOAD_DEVICES: tuple[str, ...] = ("cuda",)
 """Device types whose checkpoint inputs move (tests add ``"cpu"``)."""
 
@@ -133,18 +126,18 @@ def _patch_checkpoint_blocks(original):
 
 
 EXTENSION = registry.register(
-    registry.Extension(
-        name=NAME,
+    registry.memory_flag_extension(
+        NAME,
+        FLAG,
+        help="keep OF3's activation-checkpoint inputs (the pair representation per "
+        "block) in pinned host memory between forward and backward; copies overlap "
+        "compute. Needs CUDA.",
         summary="OF3's activation-checkpoint inputs kept in pinned host memory "
         "between forward and backward (longer crops; copies overlap compute)",
-        keys=KEYS,
-        requested=registry.any_key_on(KEYS),
-        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         device_check=_cuda,
         patches=tuple(
             registry.Patch(f"{module}:checkpoint_blocks", _patch_checkpoint_blocks)
             for module in _CHECKPOINT_BLOCKS_USERS
         ),
-        docs="docs/extensions/checkpoint_offload.md",
     )
 )
