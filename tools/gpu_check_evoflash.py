@@ -25,9 +25,8 @@ OF3's Triton kernel; then each kit kernel's autotuning table (ms per config) at 
 shapes timed, which is what the config lists are tuned from. ``--wide`` tunes
 every kernel afresh over a wider grid of tile shapes, S pairing, warps and stages
 than ``configs`` lists (no shipped choices, no on-disk cache), to find out whether
-the short lists miss a faster configuration (session 9 ran it on the bf16 shapes;
-``--diffusion-hp``, the fp32-tile grid at the diffusion site as OF3 trains it, was
-added afterwards and has not run yet).
+the short lists miss a faster configuration; ``--diffusion-hp`` does the same for
+the fp32-tile grid at the diffusion site as OF3 trains it.
 """
 
 from __future__ import annotations
@@ -182,8 +181,9 @@ def widen_tuning() -> None:
 def cap_registers(caps: list[int]) -> None:
     """Add to each kernel's 16-bit list a copy of every 4-warp config per register
     cap in ``caps`` (Triton's ``maxnreg``): the compiler then fits the kernel in that
-    many registers, so more programs share an SM (session 18's counters: 8-16 of 64
-    warps resident, 33-50% of issue slots idle). Tuned afresh, as ``--wide``."""
+    many registers, so more programs share an SM (Nsight Compute counted 8-16 of 64
+    warps resident and 33-50% of issue slots idle without a cap). Tuned afresh, as
+    ``--wide``."""
     os.environ["OF3_MEGAFOLD_TUNED_CONFIGS"] = "0"  # read at the first launch
     for tuner in TUNED.values():
         capped = [

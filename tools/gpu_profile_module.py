@@ -11,8 +11,7 @@ bench's kit; ``kit-core``: EvoFlash alone, OF3's LayerNorm; ``of3-triton``),
 forward + backward after warm-up, under ``torch.profiler``: the CUDA time per call
 split by operator (``aten::`` ops and Triton kernels, self time), and the same split
 by CUDA kernel. The module's time outside the attention core (LayerNorm, projections,
-gating, copies: 7.8 ms of 22.1 at N=1024 in session 11's bench) is what this breaks
-down.
+gating, copies: 7.8 ms of 22.1 at N=1024 on the H200) is what this breaks down.
 
 ``--module triangle-multiplication`` profiles ``bench triangle-multiplication``'s
 outgoing case (``[1, N, N, 128]``, ``c_hidden = 128``) with that bench's providers.

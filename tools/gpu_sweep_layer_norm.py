@@ -10,8 +10,7 @@ current choices are marked ``*``, and ``torch.nn.functional.layer_norm`` (bf16 i
 torch's own kernels) is timed beside them. Diagnostic only: the chosen shapes live in
 ``of3_megafold/kernels/layer_norm/function.py``. ``num_stages`` is left at Triton's
 default: 1 and 3 timed the same to 1 us for each of the fastest backward candidates at
-``[768^2, 128]``, where the log lists both
-(``docs/benchmarks/logs/2026-12-02-s27-sweep-ln-462aa9a.log``).
+``[768^2, 128]`` on the H200.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-# The versions of session 10's folder; docs/benchmarks.md says why each is pinned.
+# The pinned versions the GPU machine runs; docs/benchmarks.md says why each is pinned.
 WHEELS = (
     "openfold3==0.5.0",
     "biotite==1.8.0",

@@ -145,7 +145,7 @@ def evoflash_forward(
     (the diffusion transformer, the trunk's single attention) and cross inputs keep
     OF3's projections and gating around the kernel: there q, k and v are upcast to
     fp32, and an fp32 copy of a packed projection, gate included, cost more memory
-    than it saved (session 13, docs/benchmarks.md).
+    than it saved (docs/benchmarks.md).
 
     Args:
         attention: OF3's ``Attention`` module (its weights are used as they are).

@@ -115,7 +115,7 @@ def test_superseded_rows_are_not_plotted(plotter):
             "n_token": 384,
             "ms": 5300.0,
             "date": "2",
-            "superseded_by": "abc1234: a leak",
+            "superseded_by": "the leak fixed since",
         },
     ]
     x_field, groups = plotter.prepare(rows)

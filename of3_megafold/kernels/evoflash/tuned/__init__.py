@@ -9,7 +9,7 @@ listed configuration that is not among the kernel's current candidates is ignore
 and a key that is not listed is tuned as usual. A table records the fingerprint of the
 candidate list of each kernel it was built for (:func:`..configs.lists_fingerprint`);
 a kernel whose list has changed since has its choices ignored (they never competed
-with the configurations added since: session 10 found such stale choices 25-33% slow),
+with the configurations added since, and such stale choices ran 25-33% slow),
 and its keys are tuned as usual until the table is rebuilt; the other kernels' choices
 still apply. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
 turns the table off (tune everything).
