@@ -277,6 +277,44 @@ def exclusive_with_of3_flags(
     return validate
 
 
+def memory_flag_extension(
+    name: str,
+    flag: str,
+    help: str,
+    summary: str,
+    *,
+    exclusive_with: tuple[str, ...] = (),
+    exclusive_what: str = "",
+    **fields: Any,
+) -> Extension:
+    """An extension switched on by ``settings.memory.{train,eval}.<flag>``: the
+    record most extensions share.
+
+    Its keys are :func:`memory_flag_keys` (``help`` per mode, default false), it is
+    requested when any of them is on (:func:`any_key_on`), ``enable_update`` turns
+    it on in training, and its page is ``docs/extensions/<name>.md``. With
+    ``exclusive_with`` (OF3's own ``settings.memory`` flags for the same work), a
+    key on together with one of them in the same mode is refused
+    (:func:`exclusive_with_of3_flags`, asking for one ``exclusive_what``).
+    ``fields``: the other :class:`Extension` fields (``requires``,
+    ``device_check``, ``patches``, ...).
+    """
+    keys = memory_flag_keys(flag, help)
+    if exclusive_with:
+        fields["validate"] = exclusive_with_of3_flags(
+            keys, exclusive_with, exclusive_what
+        )
+    return Extension(
+        name=name,
+        summary=summary,
+        keys=keys,
+        requested=any_key_on(keys),
+        enable_update={"settings": {"memory": {"train": {flag: True}}}},
+        docs=f"docs/extensions/{name}.md",
+        **fields,
+    )
+
+
 def module_enabled(module: Any, name: str, flag: str) -> bool:
     """Whether extension ``name`` runs for ``module``: forced on, or its model's
     ``settings.memory.<mode>.<flag>`` is on."""

@@ -334,3 +334,41 @@ def test_forced_extension_skips_the_of3_tests_it_changes_on_purpose():
                 assert not items[0].markers
     finally:
         activate()
+
+
+def test_memory_flag_extension_builds_the_shared_record():
+    from ml_collections import ConfigDict
+
+    ext = registry.memory_flag_extension(
+        "flagged",
+        "use_flagged",
+        help="runs flagged work",
+        summary="flagged work, faster",
+        exclusive_with=("use_of3_kernel",),
+        exclusive_what="kernel",
+        requires=("torch",),
+    )
+    assert [key.yaml_path for key in ext.keys] == [
+        "model_update.custom.settings.memory.train.use_flagged",
+        "model_update.custom.settings.memory.eval.use_flagged",
+    ]
+    assert [key.help for key in ext.keys] == [
+        "train: runs flagged work",
+        "eval: runs flagged work",
+    ]
+    assert all(key.default is False for key in ext.keys)
+    train_on = {"settings": {"memory": {"train": {"use_flagged": True}}}}
+    assert ext.enable_update == train_on
+    assert ext.docs == "docs/extensions/flagged.md" and ext.requires == ("torch",)
+
+    def config(train: dict, eval_: dict) -> ConfigDict:
+        return ConfigDict({"settings": {"memory": {"train": train, "eval": eval_}}})
+
+    off = config({"use_flagged": False}, {"use_flagged": False})
+    on = config({"use_flagged": False}, {"use_flagged": True})
+    assert not ext.requested(off) and ext.requested(on)
+    ext.check_config(config({"use_flagged": True}, {"use_flagged": False}))
+    both = {"use_flagged": True, "use_of3_kernel": True}
+    clash = config({"use_flagged": False}, both)
+    with pytest.raises(KitConfigError, match="use_of3_kernel in settings.memory.eval"):
+        ext.check_config(clash)

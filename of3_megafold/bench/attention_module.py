@@ -17,10 +17,10 @@ and ``use_deepspeed_evo_attention``: cuEquivariance's and DeepSpeed's kernels th
 OF3's own glue, triangle only, since OF3 runs the diffusion transformer's attention in
 high precision, which those flags exclude; a missing package gets a ``skipped`` row,
 :mod:`of3_megafold.bench.rivals`), ``kit`` (the extensions that act on these
-modules forced on: ``evoflash_attention`` for the core and, since session 12,
-``evofusion_transitions`` for OF3's 16-bit LayerNorm; before, ``evoflash_attention``
-alone). Timing: the median of ``triton.testing.do_bench`` after warm-up; peak
-memory above what was allocated before the call.
+modules forced on: ``evoflash_attention`` for the core and
+``evofusion_transitions`` for OF3's 16-bit LayerNorm). Timing: the median of
+``triton.testing.do_bench`` after warm-up; peak memory above what was allocated
+before the call.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch
 MIB = 1024**2
 GIB = 1024**3
 
-# Fields every row carries; scripts/plot_benchmarks.py keeps its own list of them
+# Fields every row carries; tools/plot_benchmarks.py keeps its own list of them
 # (IDENTITY_FIELDS; a test checks that it covers environment_metadata()).
 METADATA_FIELDS = (
     "gpu",

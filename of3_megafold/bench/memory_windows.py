@@ -26,7 +26,7 @@ A window's ``phase`` is ``forward``, ``backward``, or ``forward->backward`` for 
 one that spans the start of the backward pass (an event's phase is read at the
 event: inside autograd's backward or not).
 
-Diagnostic only (``scripts/gpu_step_sp.py --memory-windows``): no benchmark rows.
+Diagnostic only (``python -m tools.gpu_step_sp --memory-windows``): no benchmark rows.
 """
 
 from __future__ import annotations

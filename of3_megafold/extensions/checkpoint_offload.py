@@ -9,7 +9,7 @@ stack's and the diffusion transformer's. A checkpoint keeps only its block's inp
 but at long crops those inputs are the largest thing the backward starts from: the
 trunk's 48 copies of the pair representation ``z`` ``[N, N, 128]`` are 32 GiB in
 bf16 at 1664 tokens. With a key on, OF3's ``checkpoint_blocks`` runs its loop inside
-:class:`of3_megafold.kernels.host_offload.HostOffload`: each checkpoint's inputs are
+:class:`of3_megafold.runtime.host_offload.HostOffload`: each checkpoint's inputs are
 copied to pinned host memory on a side stream as the forward saves them, and copied
 back one block ahead of the backward's recompute. The checkpointed blocks, their
 RNG and autocast handling and their gradients are OF3's (``torch.utils.checkpoint``;
@@ -36,19 +36,12 @@ import torch
 
 from of3_megafold import registry
 from of3_megafold.kernels.backend import cuda_device
-from of3_megafold.kernels.host_offload import HostOffload, host_available_bytes
+from of3_megafold.runtime.host_offload import HostOffload, host_available_bytes
 
 logger = logging.getLogger(__name__)
 
 NAME = "checkpoint_offload"
 FLAG = "use_checkpoint_offload"
-
-KEYS = registry.memory_flag_keys(
-    FLAG,
-    "keep OF3's activation-checkpoint inputs (the pair representation per block) in "
-    "pinned host memory between forward and backward; copies overlap compute. "
-    "Needs CUDA.",
-)
 
 OFFLOAD_DEVICES: tuple[str, ...] = ("cuda",)
 """Device types whose checkpoint inputs move (tests add ``"cpu"``)."""
@@ -133,18 +126,18 @@ def _patch_checkpoint_blocks(original):
 
 
 EXTENSION = registry.register(
-    registry.Extension(
-        name=NAME,
+    registry.memory_flag_extension(
+        NAME,
+        FLAG,
+        help="keep OF3's activation-checkpoint inputs (the pair representation per "
+        "block) in pinned host memory between forward and backward; copies overlap "
+        "compute. Needs CUDA.",
         summary="OF3's activation-checkpoint inputs kept in pinned host memory "
         "between forward and backward (longer crops; copies overlap compute)",
-        keys=KEYS,
-        requested=registry.any_key_on(KEYS),
-        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         device_check=_cuda,
         patches=tuple(
             registry.Patch(f"{module}:checkpoint_blocks", _patch_checkpoint_blocks)
             for module in _CHECKPOINT_BLOCKS_USERS
         ),
-        docs="docs/extensions/checkpoint_offload.md",
     )
 )

@@ -40,13 +40,6 @@ OF3_KERNEL_FLAGS = (
     "use_lma",
 )
 
-KEYS = registry.memory_flag_keys(
-    FLAG,
-    "run triangle, single and diffusion attention on the fused EvoFlash-3D Triton "
-    "kernel (no [*, H, N, N] logits stored). Exclusive with OF3's kernel flags in "
-    "the same section.",
-)
-
 
 def _flatten_bias(bias: torch.Tensor, lead: torch.Size) -> torch.Tensor:
     """``[*, h, q, k]`` broadcastable to ``lead + [H, Q, K]`` -> ``[B, s, h, q, k]``.
@@ -152,7 +145,7 @@ def evoflash_forward(
     (the diffusion transformer, the trunk's single attention) and cross inputs keep
     OF3's projections and gating around the kernel: there q, k and v are upcast to
     fp32, and an fp32 copy of a packed projection, gate included, cost more memory
-    than it saved (session 13, docs/benchmarks.md).
+    than it saved (docs/benchmarks.md).
 
     Args:
         attention: OF3's ``Attention`` module (its weights are used as they are).
@@ -237,13 +230,14 @@ def _patch_attention_forward(original):
 
 
 EXTENSION = registry.register(
-    registry.Extension(
-        name=NAME,
+    registry.memory_flag_extension(
+        NAME,
+        FLAG,
+        help="run triangle, single and diffusion attention on the fused EvoFlash-3D "
+        "Triton kernel (no [*, H, N, N] logits stored). Exclusive with OF3's kernel "
+        "flags in the same section.",
         summary="Fused attention with pair bias (forward and backward) for "
         "triangle, single and diffusion attention",
-        keys=KEYS,
-        requested=registry.any_key_on(KEYS),
-        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         requires=("triton",),
         device_check=triton_backend,
         patches=(
@@ -252,9 +246,7 @@ EXTENSION = registry.register(
                 _patch_attention_forward,
             ),
         ),
-        validate=registry.exclusive_with_of3_flags(
-            KEYS, OF3_KERNEL_FLAGS, "attention kernel"
-        ),
-        docs="docs/extensions/evoflash_attention.md",
+        exclusive_with=OF3_KERNEL_FLAGS,
+        exclusive_what="attention kernel",
     )
 )

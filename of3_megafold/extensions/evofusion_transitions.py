@@ -42,14 +42,6 @@ from of3_megafold.kernels.backend import runs_on, triton_backend
 NAME = "evofusion_transitions"
 FLAG = "use_evofusion_transitions"
 
-KEYS = registry.memory_flag_keys(
-    FLAG,
-    "fused LayerNorm + SwiGLU + output Linear in every SwiGLU transition (and "
-    "SwiGLU + output Linear after AdaLN in conditioned transitions); hidden "
-    "activations recomputed, not stored. Also OF3's LayerNorm on 16-bit "
-    "activations without its fp32 copies.",
-)
-
 
 def _enabled(module: Any) -> bool:
     return registry.module_enabled(module, NAME, FLAG)
@@ -189,14 +181,16 @@ def _patch_layer_norm(original):
 _TRANSITION = "openfold3.core.model.layers.transition"
 
 EXTENSION = registry.register(
-    registry.Extension(
-        name=NAME,
+    registry.memory_flag_extension(
+        NAME,
+        FLAG,
+        help="fused LayerNorm + SwiGLU + output Linear in every SwiGLU transition (and "
+        "SwiGLU + output Linear after AdaLN in conditioned transitions); hidden "
+        "activations recomputed, not stored. Also OF3's LayerNorm on 16-bit "
+        "activations without its fp32 copies.",
         summary="Fused LayerNorm + SwiGLU + output Linear transitions that "
         "recompute their wide hidden activations; 16-bit LayerNorms without fp32 "
         "copies",
-        keys=KEYS,
-        requested=registry.any_key_on(KEYS),
-        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         requires=("triton",),
         device_check=triton_backend,
         patches=(
@@ -213,6 +207,5 @@ EXTENSION = registry.register(
                 _patch_layer_norm,
             ),
         ),
-        docs="docs/extensions/evofusion_transitions.md",
     )
 )

@@ -30,13 +30,6 @@ NAME = "evofusion_triangle_multiplication"
 FLAG = "use_evofusion_triangle_multiplication"
 OF3_KERNEL_FLAG = "use_cueq_triangle_kernels"
 
-KEYS = registry.memory_flag_keys(
-    FLAG,
-    "fused triangle multiplication (LayerNorm + one projection GEMM + gates in the "
-    "batched GEMM's layout + output LayerNorm/projection/gate); keeps the input and "
-    "the product only. Exclusive with OF3's use_cueq_triangle_kernels.",
-)
-
 _BIAS_FREE = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g",
               "linear_z")
 
@@ -83,14 +76,15 @@ def _patch_forward(original):
 
 
 EXTENSION = registry.register(
-    registry.Extension(
-        name=NAME,
+    registry.memory_flag_extension(
+        NAME,
+        FLAG,
+        help="fused triangle multiplication (LayerNorm + one projection GEMM + gates "
+        "in the batched GEMM's layout + output LayerNorm/projection/gate); keeps the "
+        "input and the product only. Exclusive with OF3's use_cueq_triangle_kernels.",
         summary="Fused triangle multiplication: LayerNorm-fed projections as one "
         "GEMM, gates in the batched GEMM's layout, fused output; keeps z and the "
         "product only",
-        keys=KEYS,
-        requested=registry.any_key_on(KEYS),
-        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         requires=("triton",),
         device_check=triton_backend,
         patches=(
@@ -100,9 +94,7 @@ EXTENSION = registry.register(
                 _patch_forward,
             ),
         ),
-        validate=registry.exclusive_with_of3_flags(
-            KEYS, (OF3_KERNEL_FLAG,), "triangle multiplication"
-        ),
-        docs="docs/extensions/evofusion_triangle_multiplication.md",
+        exclusive_with=(OF3_KERNEL_FLAG,),
+        exclusive_what="triangle multiplication",
     )
 )

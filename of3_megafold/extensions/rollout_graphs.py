@@ -47,12 +47,6 @@ from of3_megafold.kernels.backend import cuda_device
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
 
-KEYS = registry.memory_flag_keys(
-    FLAG,
-    "replay the diffusion rollout's token transformer from a CUDA graph captured "
-    "once per rollout (host time; same kernels, same results). Needs CUDA.",
-)
-
 _ACTIVE: contextvars.ContextVar[_RolloutGraphs | None] = contextvars.ContextVar(
     "of3_megafold_rollout_graphs", default=None
 )
@@ -199,13 +193,14 @@ def _patch_transformer_forward(original):
 
 
 EXTENSION = registry.register(
-    registry.Extension(
-        name=NAME,
+    registry.memory_flag_extension(
+        NAME,
+        FLAG,
+        help="replay the diffusion rollout's token transformer from a CUDA graph "
+        "captured once per rollout (host time; same kernels, same results). Needs "
+        "CUDA.",
         summary="The diffusion rollout's token transformer replayed from a CUDA "
         "graph (host time of every training step's mini-rollout and of inference)",
-        keys=KEYS,
-        requested=registry.any_key_on(KEYS),
-        enable_update={"settings": {"memory": {"train": {FLAG: True}}}},
         device_check=_cuda_graphs,
         patches=(
             registry.Patch(
@@ -219,6 +214,5 @@ EXTENSION = registry.register(
                 _patch_transformer_forward,
             ),
         ),
-        docs="docs/extensions/rollout_graphs.md",
     )
 )

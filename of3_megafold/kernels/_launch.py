@@ -3,8 +3,7 @@
 Two layers of host work sit between a ``kernel[grid](...)`` call and the GPU, and on
 the H200 machine (Triton 3.6) they cost about 100 us per launch of EvoFlash's
 ~50-argument kernels: more than the kernels themselves at small shapes, where the
-host, not the GPU, sets the time (docs/benchmarks.md, "host overhead", sessions 4
-and 11).
+host, not the GPU, sets the time (docs/benchmarks.md, "host overhead").
 
 * Triton's ``Autotuner.run`` and ``Heuristics.run`` rebuild dicts of all arguments
   and a tuning key on every launch. :class:`TunedKernel` keeps the autotuner for the

@@ -11,6 +11,8 @@ import torch
 
 from of3_megafold.bench import step
 from of3_megafold.bench.common import METADATA_FIELDS
+from of3_megafold.bench.step import max_crop, providers
+from of3_megafold.bench.step.measure import measure_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +40,7 @@ TINY_RUN = dict(n_msa=8, n_templ=2, config="tiny", repeats=1, warmup=0, device="
 @pytest.fixture
 def no_registry(monkeypatch):
     """Stock providers only, whatever the kit has registered by now."""
-    monkeypatch.setattr(step, "_registry_extensions", lambda: {})
+    monkeypatch.setattr(providers, "_registry_extensions", lambda: {})
 
 
 def _check_loss(loss):
@@ -205,7 +207,7 @@ def test_fresh_probes_summary_without_a_probe(tmp_path, no_registry, monkeypatch
     """When the timed sizes decide the whole ladder no process is started; the
     summary row still names the model."""
     monkeypatch.setattr(
-        step, "_probe_in_fresh_process", lambda *a: pytest.fail("a probe ran")
+        max_crop, "probe_in_fresh_process", lambda *a: pytest.fail("a probe ran")
     )
     rows = step.run_step_bench(
         providers=["stock"],
@@ -229,9 +231,9 @@ def _exit_without_result(spec, n_token):
 
 
 def test_a_probe_process_that_dies_is_an_error():
-    spec = step._ProbeSpec("tiny", "stock", "cpu", None, 8, 2, 30)
+    spec = max_crop.ProbeSpec("tiny", "stock", "cpu", None, 8, 2, 30)
     with pytest.raises(step.ProbeProcessDied, match="died in its process"):
-        step._probe_in_fresh_process(spec, 24, target=_exit_without_result)
+        max_crop.probe_in_fresh_process(spec, 24, target=_exit_without_result)
 
 
 def test_a_probe_that_dies_does_not_fit():
@@ -245,7 +247,7 @@ def test_a_probe_that_dies_does_not_fit():
             raise step.ProbeProcessDied(f"probe at {n_token} died")
         return identity, {"oom": False, "ms": 1.0, "loss": {"loss": 0.5}}
 
-    step._run_max_crop("kit", measure, None, "fresh", 8, 2, [16, 32, 48], 32, (),
+    max_crop.run_max_crop("kit", measure, None, "fresh", 8, 2, [16, 32, 48], 32, (),
                        (), {}, rows.append)
     assert [(r["mode"], r["n_token"], r.get("error")) for r in rows] == [
         ("max_crop_probe", 32, None),
@@ -275,7 +277,7 @@ def test_search_max_crop(limit, start, fits, too_big, expected, probed):
         calls.append(size)
         return size <= limit
 
-    largest, decided = step._search_max_crop(
+    largest, decided = max_crop.search_max_crop(
         probe, step.MAX_CROP_LADDER, start, fits, too_big
     )
     assert largest == expected
@@ -347,9 +349,9 @@ def fake_registry(monkeypatch):
     monkeypatch.setattr(of3_megafold, "registry", registry, raising=False)
     # The real activate() would patch OF3 for the rest of the session.
     monkeypatch.setattr(of3_megafold, "is_active", lambda: True)
-    step._registry_extensions.cache_clear()
+    providers._registry_extensions.cache_clear()
     yield registry
-    step._registry_extensions.cache_clear()
+    providers._registry_extensions.cache_clear()
 
 
 def test_kit_providers_come_from_the_registry(fake_registry):
@@ -386,13 +388,13 @@ def test_without_registry_only_stock_is_offered(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "of3_megafold.registry", None)
     monkeypatch.delattr(of3_megafold, "registry", raising=False)
-    step._registry_extensions.cache_clear()
+    providers._registry_extensions.cache_clear()
     try:
         assert step.kit_provider_updates() == {}
         ok, reason = step.provider_availability("kit", "cpu")
         assert not ok and "registry" in reason
     finally:
-        step._registry_extensions.cache_clear()
+        providers._registry_extensions.cache_clear()
 
 
 def test_format_table_lists_every_row():
@@ -480,7 +482,7 @@ def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(monkeypatch):
 
     before = torch.get_float32_matmul_precision()
     assert before == "highest"  # the harness's default: IEEE fp32 matmuls
-    fields = step._measure(_Harness(), 16, 4, 1, 0, 1, False)
+    fields = measure_step(_Harness(), 16, 4, 1, 0, 1, False)
     assert seen == [True] and torch.get_float32_matmul_precision() == before
     assert fields["error"].startswith("RuntimeError: fp32 backward")
     assert fields["ms"] is None and fields["oom"] is False
@@ -488,5 +490,17 @@ def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(monkeypatch):
 
     _Harness.provider = "stock"  # OF3's own path: a failure is a failure
     with pytest.raises(RuntimeError, match="fp32 backward"):
-        step._measure(_Harness(), 16, 4, 1, 0, 1, False)
+        measure_step(_Harness(), 16, 4, 1, 0, 1, False)
     assert seen[-1] is False
+
+
+def test_provider_model_config_merges_the_provider_then_the_update(no_registry):
+    update = {"settings": {"memory": {"train": {"use_lma": True}}}}
+    config = step.provider_model_config("stock-triton", "cuda", "tiny", update)
+    assert config.settings.memory.train.use_triton_triangle_kernels is True
+    assert config.settings.memory.train.use_lma is True
+    assert config.architecture.shared.c_s == step.CONFIGS["tiny"]["architecture"][
+        "shared"
+    ]["c_s"]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        step.provider_model_config("stock-triton", "cpu", "tiny")

@@ -129,8 +129,8 @@ def test_shipped_evoflash_choices_name_current_candidates():
     for kernel, entries in table["kernels"].items():
         assert table["lists"][kernel] == configs.lists_fingerprint(kernel), (
             f"{kernel}'s config list changed since the shipped table was built: "
-            "rebuild it with scripts/ship_autotune.py from a tuning run over the new "
-            "list (--merge keeps the other kernels' entries)"
+            "rebuild it with `python -m tools.ship_autotune` from a tuning run over "
+            "the new list (--merge keeps the other kernels' entries)"
         )
         assert entries, kernel
         for entry in entries:

@@ -634,7 +634,7 @@ def test_gpu_fused_and_ball_query_large(n):
     loss, grad = kernel_loss_and_grad(smooth_lddt_fused, x, w, truth, nuc, mask)
     assert_close_rel(loss, ref_loss, 1e-5, "fused loss")
     # At N=3329 a pair sits on an inclusion cutoff that fp32 and fp64 decide
-    # differently (session 5): OF3's own fp32 dense loss is then 7.8e-4 off the fp64
+    # differently: OF3's own fp32 dense loss is then 7.8e-4 off the fp64
     # gradient. The project's rule: at most 2x OF3's fp32 error, or 1e-4.
     _, of3_grad = kernel_loss_and_grad(smooth_lddt_reference, x, w, truth, nuc, mask)
     grad_tol = max(1e-4, 2 * rel_err(of3_grad, ref_grad))

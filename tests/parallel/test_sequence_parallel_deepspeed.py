@@ -116,7 +116,7 @@ def _rank_body(rank, world_size, out_dir, stage):
     model, _ = sp_model.build(SP_SIZE, True, NO_SAMPLES, SETTINGS)
     module = OpenFold3AllAtom(model.config)
     module.model.load_state_dict(model.state_dict())
-    module.model.synced_generator = step._FixedRecycles(sp_model.RECYCLES)
+    module.model.synced_generator = step.FixedRecycles(sp_model.RECYCLES)
     dp_rank = rank // SP_SIZE
     batch = sp_model.training_batch(sp_model.BATCH_SEED + dp_rank)
     batch["pdb_id"], batch["preferred_chain_or_interface"] = ["test"], ["A"]
@@ -164,7 +164,7 @@ def _rank_body(rank, world_size, out_dir, stage):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with step._watch_alignment() as watch:
+    with step.watch_alignment() as watch:
         trainer.fit(module, datamodule=OneBatch())
     assert not watch.losses_off
     assert isinstance(trainer.model, deepspeed.DeepSpeedEngine)

@@ -94,7 +94,7 @@ def _offload_body(rank, world_size, seed):
     move (CPU tensors, as the extension's CPU tests move them) and the results are
     the same bits as without it."""
     from of3_megafold.extensions import checkpoint_offload
-    from of3_megafold.kernels.host_offload import HostOffload
+    from of3_megafold.runtime.host_offload import HostOffload
 
     activate()
     checkpoint_offload.OFFLOAD_DEVICES, checkpoint_offload.MIN_BYTES = ("cpu",), 0

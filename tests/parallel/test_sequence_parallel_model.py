@@ -115,7 +115,7 @@ def build(size: int, split: bool, no_samples: int, settings: dict | None = None)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.train()
-    model.synced_generator = step._FixedRecycles(RECYCLES)
+    model.synced_generator = step.FixedRecycles(RECYCLES)
     return model, OpenFold3Loss(config=config.architecture.loss_module)
 
 
@@ -159,7 +159,7 @@ def _rank_body(rank, world_size, out_dir, split, no_samples):
 
     seed_own_streams(rank)
     python_before = random.getstate()
-    with step._watch_alignment() as watch:  # keeps OF3's fallback traceback quiet
+    with step.watch_alignment() as watch:  # keeps OF3's fallback traceback quiet
         batch, outputs = model(batch)
     assert not watch.losses_off
     # The forward ran under the group's generators; this rank's own are back.
@@ -245,7 +245,7 @@ def reference_step(
         python_state = random.getstate()
         torch.manual_seed(seed)
         random.seed(seed)
-        with step._watch_alignment() as watch:
+        with step.watch_alignment() as watch:
             batch, outputs = model(batch)
         assert not watch.losses_off
         random.setstate(python_state)

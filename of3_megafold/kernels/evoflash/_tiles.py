@@ -161,9 +161,9 @@ def _key_block_masked(start_n, lo, hi, N, BLOCK_N: tl.constexpr,
     block runs past N, or it overlaps the slice's nonzero mask range ``[lo, hi)``.
     Elsewhere the key mask is all zeros and its load and add are skipped (a block-
     uniform branch): per logit they were about two of the kernels' 11-18
-    instructions (docs/benchmarks.md, session 18). Without ``MASK_RANGES`` a
-    constant True, so no branch is compiled (an always-taken one cost the forward
-    and dQ kernels 12-16% at triangle N=384, session 18)."""
+    instructions (docs/benchmarks.md). Without ``MASK_RANGES`` a constant True, so
+    no branch is compiled (an always-taken one cost the forward and dQ kernels
+    12-16% at triangle N=384 on the H200)."""
     if MASK_RANGES:
         end = start_n + BLOCK_N
         masked = (end > N) | ((start_n < hi) & (end > lo))

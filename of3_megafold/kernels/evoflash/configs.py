@@ -6,7 +6,7 @@ attention ``[1, 1, N, 16, 24]``. The lists are short on purpose (compile time): 
 few tile shapes around 64/128, 4 or 8 warps, 2 or 3 stages, with and without
 pairing two S slices per program (``S_GROUP``, which halves the pair-bias traffic).
 The last entries of the bf16 lists (4 warps, 3 stages, small tiles) are the winners
-of a wider sweep on the H200 in session 9 (``scripts/gpu_check_evoflash.py --wide``,
+of a wider sweep on the H200 (``python -m tools.gpu_check_evoflash --wide``,
 docs/benchmarks.md): at triangle N=1024 and diffusion S=48 N=768 they beat every
 earlier entry, by up to a third (the dbias kernel at N=1024).
 

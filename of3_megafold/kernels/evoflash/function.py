@@ -35,7 +35,7 @@ _KEY = ["N_BUCKET", "S_BUCKET", "H", "BLOCK_D", "HAS_MASK", "PRECISION"]
 # Logits (B S H N^2) from which a masked call computes its key mask's ranges
 # (_Inputs.mask_range), so that the forward, dQ and bias-gradient kernels skip the
 # mask in the key blocks it leaves zero. Below, the call is bound by the host, and
-# one more launch there buys little: on the H200 (session 18) the skip took the
+# one more launch there buys little: on the H200 the skip took the
 # kernels of triangle N=1024 from 14.24 to 13.50 ms, but those of N=384 (2.3e8
 # logits) only from 0.89 to 0.84 ms, while that call's wall time is about 1.2 ms of
 # host work. Triangle attention from N=512 and the diffusion transformer's S=48
@@ -374,7 +374,7 @@ def evoflash_bwd(
     # the last tensor of the dQ and bias-gradient launches: the tuning key lists the
     # tensors' dtypes in the call's order, and the shipped table's keys had it
     # appended. The dK/dV kernel adds its key block's mask, loaded once, to every
-    # tile (skipping it where it is zero saved no time on the H200, session 18).
+    # tile (skipping it where it is zero saved no time on the H200).
     range_args = inp.mask_range_args(krange, flags)
     bias = inp.bias if inp.bias is not None else q
     dq = dk = dv = dbias = None

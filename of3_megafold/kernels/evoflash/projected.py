@@ -134,8 +134,8 @@ class EvoFlashProjectedAttentionFunction(torch.autograd.Function):
         # One chunk: its projection is saved (recomputing it would only cost time).
         # Saved, not kept on ctx: activation checkpointing (OF3 checkpoints its
         # pairformer blocks) drops only what goes through save_for_backward, and a
-        # projection on ctx outlived the checkpoint (session 23: +15.7 GiB in a
-        # 384-token training step). The cost is a higher backward peak outside
+        # projection on ctx outlives the checkpoint (+15.7 GiB in a 384-token
+        # training step). The cost is a higher backward peak outside
         # checkpointing: the input gradient is allocated while the projection lives.
         kept = qkv if len(ctx.chunks) == 1 else None
         ctx.save_for_backward(x, weight, bias, mask, pb, o, kept, *stats)

@@ -11,13 +11,12 @@ schedule of flash-attention's ``fused_dense``/"FusedMLP", written here for
 LayerNorm + SwiGLU). ``w_ab`` is ``w_a`` stacked on ``w_b`` (``[2H, c]``, rows
 ``[0, H)`` and ``[H, 2H)``). ``a`` and ``b`` come out of two independent dots with
 the same left operand, each in the tensor cores' accumulator layout, so ``h`` is
-formed element by element and feeds the next dot without a layout change. (Until
-session 19 the two weights were interleaved and one ``2 BLOCK_H`` wide product was
-split: warp shuffles and selects on every element, and as many again for the
-backward's re-join. The input-gradient kernel's main loop went from 690 to 505
-SASS instructions per iteration at 64 x 32 tiles, ``scripts/offline_sass.py
-transition-bwd``; docs/benchmarks.md.) The weights are re-read from L2 by every
-program.
+formed element by element and feeds the next dot without a layout change
+(interleaving the two weights into one ``2 BLOCK_H`` wide product and splitting it
+costs warp shuffles and selects on every element, and as many again for the
+backward's re-join: 690 against 505 SASS instructions per iteration of the
+input-gradient kernel's main loop at 64 x 32 tiles). The weights are re-read from
+L2 by every program.
 """
 
 from __future__ import annotations

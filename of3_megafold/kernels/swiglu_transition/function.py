@@ -119,7 +119,7 @@ def _weight_splits(m: int, h: int, block_m: int, block_h: int, num_sms: int) -> 
 # - "kernel": ``_swiglu_transition_bwd_weight_kernel`` recomputes them a second time
 #   and reduces in registers (no buffers, one launch);
 # - "auto": "gemm" from ``GEMM_MIN_CHUNKS`` full chunks of rows up, else "kernel".
-#   On the H200 (one run, docs/benchmarks.md, session 8) the pair transition's
+#   On the H200 (one run, docs/benchmarks.md) the pair transition's
 #   forward + backward took 3.29 ms with "gemm" against 5.36 with "kernel" at
 #   N = 768, but 1.62 against 1.46 at N = 384 (3 chunks).
 WEIGHT_GRAD_PATH = "auto"

@@ -73,8 +73,8 @@ def _gate_launch(r: int, ch: int, batch: int) -> tuple[tuple[int, int, int], dic
 
 def _out_blocks(ch: int, cz: int, backward: bool) -> dict:
     """Block sizes of the persistent output kernels: ``BLOCK_R`` positions by every
-    channel. On the H200 at C = 128 (``scripts/gpu_sweep_triangle_multiplication.py``,
-    N = 768 and 1024; log ``docs/benchmarks/logs/2026-12-01-s17-sweep-tm.log``) 64 rows
+    channel. On the H200 at C = 128 (``tools/gpu_sweep_triangle_multiplication.py``,
+    N = 768 and 1024) 64 rows
     and 2 stages were fastest for both, with 2 programs per SM for the forward
     (0.225 ms at N=768) and 8 for the backward (1.43 ms; one program per tile: 1.53)."""
     block_ch, block_cz = max(16, next_power_of_2(ch)), max(16, next_power_of_2(cz))

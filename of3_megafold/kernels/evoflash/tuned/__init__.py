@@ -1,6 +1,6 @@
 """Shipped autotuning choices of the EvoFlash kernels, per GPU model.
 
-``<gpu>.json`` (written by ``scripts/ship_autotune.py`` from a GPU session's Triton
+``<gpu>.json`` (written by ``python -m tools.ship_autotune`` from a GPU run's Triton
 autotuning results) lists, per kernel and tuning key, the configuration that was
 fastest on that GPU. On a GPU of that name, :class:`~of3_megafold.kernels._launch.
 TunedKernel` launches a listed key with its configuration instead of benchmarking
@@ -9,7 +9,7 @@ listed configuration that is not among the kernel's current candidates is ignore
 and a key that is not listed is tuned as usual. A table records the fingerprint of the
 candidate list of each kernel it was built for (:func:`..configs.lists_fingerprint`);
 a kernel whose list has changed since has its choices ignored (they never competed
-with the configurations added since: session 10 found such stale choices 25-33% slow),
+with the configurations added since, and such stale choices ran 25-33% slow),
 and its keys are tuned as usual until the table is rebuilt; the other kernels' choices
 still apply. ``OF3_MEGAFOLD_TUNED_CONFIGS=0``
 turns the table off (tune everything).
@@ -71,7 +71,7 @@ def _table(gpu: str) -> dict[str, Any]:
         logger.warning(
             "%s was built for another candidate list of %s; ignoring its choices "
             "for that kernel (its keys are tuned at first use). Rebuild it with "
-            "scripts/ship_autotune.py.", path.name, kernel,
+            "python -m tools.ship_autotune.", path.name, kernel,
         )
     return {**table, "kernels": kernels}
 

@@ -1,0 +1,157 @@
+"""Rollout graphs on the full model: a training step with the key on and off, one GPU.
+
+    python -m tools.gpu_check_rollout_graphs OUT.json [--tokens 384,768] [--repeats 2]
+
+Builds the full OF3 model once with every single-process kit extension on (the step
+harness's ``kit`` provider) and, per token count, runs one warm-up step with
+``use_rollout_cuda_graphs`` off and one with it on, then ``--repeats`` rounds of one
+step each, interleaved (toggling the key on the live config, which the extension
+reads at call time). Prints and writes per variant the step times, the rollout's
+own time (OF3's ``SampleDiffusion.forward`` between two synchronisations, inside
+the step), peak memory, losses and gradient norm, and how far the key-on losses are
+from the key-off ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+FLAG = "use_rollout_cuda_graphs"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tokens", default="384,768")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--full-rollout", type=int, default=0, metavar="STEPS",
+                        help="also time a rollout of STEPS steps and 5 samples (as "
+                        "validation and inference run it) on the step's trunk "
+                        "outputs, key off and on, twice each")
+    args = parser.parse_args()
+
+    from openfold3.core.model.structure.diffusion_module import SampleDiffusion
+
+    from of3_megafold.bench.step import TrainingStepHarness, random_training_batch
+
+    rollout = _RolloutTimer(SampleDiffusion.forward)
+    SampleDiffusion.forward = rollout
+
+    started = time.perf_counter()
+    harness = TrainingStepHarness("full", "kit", "cuda")
+    print(f"model built in {time.perf_counter() - started:.0f} s", flush=True)
+    rows = []
+    for n_token in (int(t) for t in args.tokens.split(",")):
+        batch = random_training_batch(n_token, 1024, 4, "cuda")
+        results = {False: [], True: []}
+        rollouts = {False: [], True: []}
+        for on in (False, True):  # warm-up: compiles, tunes
+            _set_key(harness, on)
+            took = harness.step(batch).ms / 1e3
+            print(f"{n_token} tokens, graphs {on}: warm-up {took:.1f} s", flush=True)
+        for _ in range(args.repeats):
+            for on in (False, True):
+                _set_key(harness, on)
+                results[on].append(harness.step(batch))
+                rollouts[on].append(rollout.seconds[-1])
+        off, on = results[False], results[True]
+        loss_diff = max(
+            abs(r.loss[k] - o.loss[k]) / max(abs(o.loss[k]), 1e-12)
+            for r, o in zip(on, off, strict=True) for k in o.loss
+        )
+        row = {
+            "tokens": n_token,
+            "off_s": [r.ms / 1e3 for r in off],
+            "on_s": [r.ms / 1e3 for r in on],
+            "off_rollout_s": rollouts[False],
+            "on_rollout_s": rollouts[True],
+            "off_peak_gib": max(r.peak_gib for r in off),
+            "on_peak_gib": max(r.peak_gib for r in on),
+            "off_loss": off[0].loss["loss"],
+            "on_loss": on[0].loss["loss"],
+            "max_rel_loss_diff": loss_diff,
+            "off_grad_norm": off[0].grad_norm,
+            "on_grad_norm": on[0].grad_norm,
+            "recycles": off[0].recycles,
+        }
+        rows.append(row)
+        med_off = statistics.median(row["off_s"])
+        med_on = statistics.median(row["on_s"])
+        print(
+            f"{n_token} tokens: off {med_off:.2f} s ({row['off_s']}), "
+            f"on {med_on:.2f} s ({row['on_s']}), {med_off / med_on:.2f}x; rollout "
+            f"{statistics.median(row['off_rollout_s']):.3f} -> "
+            f"{statistics.median(row['on_rollout_s']):.3f} s; peak "
+            f"{row['off_peak_gib']:.1f} -> {row['on_peak_gib']:.1f} GiB; "
+            f"loss {row['off_loss']:.6f} / "
+            f"{row['on_loss']:.6f} (max rel diff {loss_diff:.2e}); grad norm "
+            f"{row['off_grad_norm']:.6f} / {row['on_grad_norm']:.6f}",
+            flush=True,
+        )
+        if args.full_rollout:
+            row["full_rollout_s"] = _full_rollout(harness, rollout, args.full_rollout)
+            print(f"{n_token} tokens, {args.full_rollout} steps x 5 samples: "
+                  f"{row['full_rollout_s']}", flush=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+        del batch
+    return 0
+
+
+class _RolloutTimer:
+    """Stands in for ``SampleDiffusion.forward``: runs it between two
+    synchronisations, keeping its seconds and its last call's arguments."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.seconds: list[float] = []
+        self.last_call: tuple = ()
+
+    def __get__(self, module, owner=None):  # a method of the module it replaces in
+        return self if module is None else functools.partial(self, module)
+
+    def __call__(self, module, *args, **kwargs):
+        import torch
+
+        self.last_call = (module, args, kwargs)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        out = self.forward(module, *args, **kwargs)
+        torch.cuda.synchronize()
+        self.seconds.append(time.perf_counter() - began)
+        return out
+
+
+def _set_key(harness, on: bool) -> None:
+    harness.config.settings.memory.train[FLAG] = on
+
+
+def _full_rollout(harness, rollout: _RolloutTimer, steps: int) -> dict:
+    """Seconds per rollout of ``steps`` steps and 5 samples, key off and on, on the
+    last timed rollout's inputs."""
+    import torch
+    from openfold3.core.model.structure.diffusion_module import create_noise_schedule
+
+    module, a, k = rollout.last_call
+    schedule = create_noise_schedule(
+        no_rollout_steps=steps, **harness.config.architecture.noise_schedule,
+        dtype=torch.float32, device="cuda",
+    )
+    k = {**k, "noise_schedule": schedule, "no_rollout_samples": 5}
+    times = {"off": [], "on": []}
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float32):
+        for _ in range(2):
+            for on in (False, True):
+                _set_key(harness, on)
+                rollout(module, *a, **k)
+                times["on" if on else "off"].append(rollout.seconds[-1])
+    return times
+
+
+if __name__ == "__main__":
+    sys.exit(main())
