@@ -332,3 +332,39 @@ def log_device_fallback(name: str, device: str) -> None:
         name,
         device,
     )
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A key's default as YAML spells it (``false``, ``null``, ``dense``, ``256``)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+def keys_markdown(extensions: tuple[Extension, ...] | None = None) -> str:
+    """The runner-YAML keys of ``extensions`` (default: every registered one) as a
+    Markdown table for the README: key under ``model_update.custom``, default,
+    extension, help. A memory flag's ``train`` and ``eval`` keys share one row,
+    ``settings.memory.{train,eval}.<flag>``."""
+    lines = [
+        "| key (under `model_update.custom`) | default | extension | what it does |",
+        "|---|---|---|---|",
+    ]
+    seen: set[str] = set()
+    for ext in tuple(EXTENSIONS.values()) if extensions is None else extensions:
+        for key in ext.keys:
+            name, help = key.dotted, key.help
+            if key.path[:2] == ("settings", "memory") and key.path[2] in MEMORY_MODES:
+                name = "settings.memory.{train,eval}." + ".".join(key.path[3:])
+                help = help.removeprefix(f"{key.path[2]}: ")
+            if name in seen:
+                continue
+            seen.add(name)
+            cells = (
+                f"`{name}`",
+                f"`{_yaml_scalar(key.default)}`",
+                ext.name,
+                help.replace("|", "\\|"),
+            )
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
