@@ -53,7 +53,22 @@ def _kit_errors():
     try:
         yield
     except KitError as err:
+        _end_progress_bars()
         raise click.ClickException(user_message(err)) from err
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars still drawn (Lightning's, when training stopped), so
+    the error starts on a line of its own rather than after a bar's last state."""
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    bars = list(getattr(tqdm, "_instances", ()))
+    for bar in bars:
+        bar.close()
+    if bars:  # a bar that does not stay (leave=False) closes without a newline
+        click.echo("", err=True)
 
 
 @contextmanager

@@ -101,12 +101,12 @@ def cache_error(root: Path, error: OSError) -> DemoCacheError:
     if blocker is not None:
         cause = f"{blocker} is a regular file, not a directory"
     else:
-        cause = error.strerror or str(error)
+        cause = f"cannot create or write a directory there ({error.strerror or error})"
     source = (
         f"${CACHE_ENV_VAR}" if os.environ.get(CACHE_ENV_VAR) else "the default cache"
     )
     return DemoCacheError(
-        f"cannot write the demo data set under {root} ({source}): {cause}. Fix: set "
+        f"cannot build the demo data set in {root} ({source}): {cause}. Fix: set "
         f"{CACHE_ENV_VAR} to a writable directory, e.g. "
         f"`export {CACHE_ENV_VAR}=$HOME/.cache/of3-megafold`"
     )
