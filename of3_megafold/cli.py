@@ -80,8 +80,6 @@ def _user_errors():
     try:
         with _kit_errors():
             yield
-    except click.ClickException:
-        raise
     except yaml.YAMLError as err:  # the message names the file, line and column
         raise click.ClickException(f"YAML could not be parsed:\n{err}") from err
     except pydantic.ValidationError as err:

@@ -1,4 +1,7 @@
-"""Exceptions the kit raises where a user can act on the message."""
+"""Exceptions the kit raises where a user can act on the message, and the helpers
+that word their messages."""
+
+from pathlib import Path
 
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 """The line with which torch's ``ExceptionWrapper.reraise`` puts a data-loader
@@ -36,3 +39,15 @@ def user_message(error: KitError) -> str:
     if line_start < 0:
         return text
     return tail[line_start:].split(marker, 1)[1].strip()
+
+
+def unwritable_cause(path: Path, error: OSError) -> str:
+    """Why a directory could not be created or written at ``path``, in words.
+
+    A regular file at ``path`` or on its way (``errno`` then says ``File exists``
+    or ``Not a directory``) is named; any other error keeps its ``strerror``.
+    """
+    for candidate in (path, *path.parents):
+        if candidate.is_file():
+            return f"{candidate} is a regular file, not a directory"
+    return f"cannot create or write a directory there ({error.strerror or error})"

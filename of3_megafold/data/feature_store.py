@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from of3_megafold._files import replace_directory
-from of3_megafold.errors import KitError
+from of3_megafold.errors import KitError, unwritable_cause
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -404,8 +404,8 @@ def _writer_lock(out_dir: Path) -> Iterator[None]:
         handle = open(lock_path, "a")  # noqa: SIM115 (closed below)
     except OSError as error:
         raise FeatureStoreError(
-            f"cannot create the feature store {out_dir}: {error.strerror or error}; "
-            "choose a writable --out"
+            f"cannot create the feature store {out_dir}: "
+            f"{unwritable_cause(out_dir.parent, error)}; choose a writable --out"
         ) from error
     with handle:
         try:

@@ -43,7 +43,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from of3_megafold._files import replace_directory
-from of3_megafold.errors import KitError
+from of3_megafold.errors import KitError, unwritable_cause
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +87,15 @@ class DemoCacheError(KitError, OSError):
     """The cache the demo set is built into cannot be written."""
 
 
-def _first_file_on_path(path: Path) -> Path | None:
-    """``path`` itself or the nearest of its parents that is a regular file."""
-    for candidate in (path, *path.parents):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 def cache_error(root: Path, error: OSError) -> DemoCacheError:
     """One line naming the cache root, why it cannot be written, and the fix."""
-    blocker = _first_file_on_path(root)
-    if blocker is not None:
-        cause = f"{blocker} is a regular file, not a directory"
+    cause = unwritable_cause(root, error)
+    if root != default_cache_root():
+        source = "the cache_dir passed in"
+    elif os.environ.get(CACHE_ENV_VAR):
+        source = f"${CACHE_ENV_VAR}"
     else:
-        cause = f"cannot create or write a directory there ({error.strerror or error})"
-    source = (
-        f"${CACHE_ENV_VAR}" if os.environ.get(CACHE_ENV_VAR) else "the default cache"
-    )
+        source = "the default cache"
     return DemoCacheError(
         f"cannot build the demo data set in {root} ({source}): {cause}. Fix: set "
         f"{CACHE_ENV_VAR} to a writable directory, e.g. "

@@ -372,3 +372,11 @@ def test_a_dead_writers_leftovers_are_removed(paths, tmp_path):
     assert alive.exists()  # its process still runs: not ours to delete
     assert verify_feature_store(out) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "store"])
+
+
+def test_an_out_that_cannot_be_created_is_one_error(paths, tmp_path):
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    with pytest.raises(FeatureStoreError, match="a-file is a regular file"):
+        _build(paths, regular / "store")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
