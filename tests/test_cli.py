@@ -1,6 +1,7 @@
 """The ``of3-megafold`` command line: info, and readable configuration errors."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -277,10 +278,13 @@ def test_no_deepspeed_notice_on_stdout(args):
     import subprocess
     import sys
 
+    # A CLI run in this process may have set DS_ACCELERATOR; a user's shell has not.
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     result = subprocess.run(
         [sys.executable, "-m", "of3_megafold.cli", *args],
         capture_output=True,
         text=True,
+        env=env,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr

@@ -242,6 +242,11 @@ def test_precompute_command(paths, tmp_path):
     pooled = CliRunner().invoke(main, [*args, "--force", "--conformers", "2"])
     assert pooled.exit_code == 1 and "--reference-mols" in pooled.output
 
+    bare = CliRunner().invoke(main, ["precompute", "--out", str(out)])
+    assert bare.exit_code == 2 and "needs --dataset-cache, --structures" in bare.output
+    mixed = CliRunner().invoke(main, [*args, "--verify", str(out)])
+    assert mixed.exit_code == 2 and "--verify checks a store" in mixed.output
+
 
 def test_the_adapter_works_in_a_spawned_data_loader_worker(
     paths, pooled_store, tmp_path
