@@ -290,3 +290,19 @@ def test_no_deepspeed_notice_on_stdout(args):
     assert result.returncode == 0, result.stderr
     assert "Usage:" in result.stdout
     assert "Setting accelerator" not in result.stdout
+
+
+def test_an_output_dir_that_cannot_be_created_is_one_error(
+    demo_dataset, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("OF3_MEGAFOLD_CACHE", str(demo_dataset.parent))
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    result = CliRunner().invoke(main, ["train", "--output-dir", str(regular / "out")])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: cannot create the output folder {regular / 'out'}: {regular} is a "
+        "regular file, not a directory; choose a writable --output-dir"
+    ]
+    assert "runner YAML" not in result.output

@@ -37,7 +37,7 @@ import pytorch_lightning as pl
 import yaml
 
 from of3_megafold.demo.build import ensure_demo_dataset
-from of3_megafold.errors import KitConfigError, KitError
+from of3_megafold.errors import KitConfigError, KitError, unwritable_cause
 
 logger = logging.getLogger(__name__)
 
@@ -451,9 +451,19 @@ def run_demo_training(
 @contextlib.contextmanager
 def removed_on_failure(output_dir: Path) -> Iterator[None]:
     """Create ``output_dir``; if the run fails before writing a checkpoint, remove
-    it again when this call created it (no empty or half-written run folder)."""
+    it again when this call created it (no empty or half-written run folder).
+
+    Raises:
+        KitError: ``output_dir`` cannot be created (names it and the cause).
+    """
     created = not output_dir.exists()
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KitError(
+            f"cannot create the output folder {output_dir}: "
+            f"{unwritable_cause(output_dir, error)}; choose a writable --output-dir"
+        ) from error
     try:
         yield
     except BaseException:
