@@ -372,6 +372,7 @@ def test_a_dead_writers_leftovers_are_removed(paths, tmp_path):
     for partial in (dead, alive):
         (partial / "structures").mkdir(parents=True)
         (partial / "structures" / "1abc.pkl").write_bytes(b"x" * 1000)
+    (tmp_path / ".store.lock").write_text("")  # a killed writer's, no longer locked
     out = _build(paths, tmp_path / "store")
     assert not dead.exists()
     assert alive.exists()  # its process still runs: not ours to delete

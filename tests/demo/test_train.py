@@ -218,3 +218,23 @@ def test_a_previous_runs_checkpoints_are_cleared(demo_dataset, tmp_path):
         (checkpoints / name).write_text("")
     _clear_checkpoints(tmp_path)
     assert [p.name for p in checkpoints.iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_run_removes_only_the_folder_it_created(tmp_path):
+    from of3_megafold.demo.train import CHECKPOINTS_DIR, removed_on_failure
+
+    def fail_in(folder, checkpoint=False):
+        with pytest.raises(RuntimeError), removed_on_failure(folder):
+            (folder / "runner.yml").write_text("")
+            if checkpoint:
+                (folder / CHECKPOINTS_DIR).mkdir()
+                (folder / CHECKPOINTS_DIR / "last.ckpt").write_text("")
+            raise RuntimeError("training failed")
+
+    fail_in(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    fail_in(tmp_path / "old")
+    assert (tmp_path / "old" / "runner.yml").exists()  # not ours to delete
+    fail_in(tmp_path / "trained", checkpoint=True)
+    assert (tmp_path / "trained" / CHECKPOINTS_DIR / "last.ckpt").exists()
