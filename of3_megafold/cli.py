@@ -11,14 +11,17 @@ message and a non-zero exit status, not a traceback.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import sys
 import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from of3_megafold.errors import KitError
+from of3_megafold.errors import KitError, user_message
 
 BENCHMARKS = {
     "attention": ("attention_core", "attention_module"),
@@ -46,15 +49,39 @@ def _default_bench_dir() -> Path:
 
 
 @contextmanager
+def _kit_errors():
+    """Turn the kit's own errors into their one-line message and exit status 1,
+    also when a data-loader worker raised them."""
+    try:
+        yield
+    except KitError as err:
+        _end_progress_bars()
+        raise click.ClickException(user_message(err)) from err
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars still drawn (Lightning's, when training stopped), so
+    the error starts on a line of its own rather than after a bar's last state."""
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    bars = list(getattr(tqdm, "_instances", ()))
+    for bar in bars:
+        bar.close()
+    if bars:  # a bar that does not stay (leave=False) closes without a newline
+        click.echo("", err=True)
+
+
+@contextmanager
 def _user_errors():
     """Turn configuration mistakes into one readable message and exit status 1."""
     import pydantic
     import yaml
 
     try:
-        yield
-    except KitError as err:
-        raise click.ClickException(str(err)) from err
+        with _kit_errors():
+            yield
     except yaml.YAMLError as err:  # the message names the file, line and column
         raise click.ClickException(f"YAML could not be parsed:\n{err}") from err
     except pydantic.ValidationError as err:
@@ -80,10 +107,43 @@ def _load_runner_yaml(path: Path, seed: int | None, data_seed: int | None) -> di
     return runner
 
 
+class _DropDeepSpeedCpuNotice(logging.Filter):
+    """DeepSpeed (imported by OpenFold3) logs "Setting accelerator to CPU" to
+    stdout whenever it finds no GPU; on a CPU machine that is expected, not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+def _quiet_third_party_stdout() -> None:
+    """Keep DeepSpeed's CPU notice off stdout. DeepSpeed configures its logger when
+    it is imported, but keeps filters added to it before."""
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    if not any(
+        isinstance(f, _DropDeepSpeedCpuNotice) for f in deepspeed_logger.filters
+    ):
+        deepspeed_logger.addFilter(_DropDeepSpeedCpuNotice())
+
+
+def _pin_deepspeed_accelerator() -> None:
+    """Hand the accelerator DeepSpeed detected here to child processes.
+
+    Data-loader workers (forkserver/spawn) import DeepSpeed afresh, without the
+    filter above; with ``DS_ACCELERATOR`` set they take that choice instead of
+    detecting again and printing the CPU notice once per worker.
+    """
+    if "deepspeed" not in sys.modules or "DS_ACCELERATOR" in os.environ:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    os.environ["DS_ACCELERATOR"] = get_accelerator().device_name()
+
+
 @click.group()
 @click.version_option(package_name="of3-megafold")
 def main() -> None:
     """OpenFold3 training with the of3-megafold kit (kernels, memory, parallelism)."""
+    _quiet_third_party_stdout()
 
 
 def _overlaid(base: dict, overlays: tuple[Path, ...]) -> dict:
@@ -146,11 +206,17 @@ def _write_yaml(runner: dict, path: Path) -> Path:
 @click.option(
     "--output-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=Path("outputs") / "demo",
-    show_default=True,
-    help="Demo only: where the checkpoint, losses.csv and losses.png go.",
+    default=None,
+    show_default="outputs/demo for the demo; the YAML's output_dir otherwise",
+    help="Where the run writes (with --runner-yaml: replaces "
+    "experiment_settings.output_dir).",
 )
-@click.option("--steps", type=int, help="Demo only: number of training steps.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    help="Optimizer steps (with --runner-yaml: sets pl_trainer_args.max_steps "
+    "and lifts max_epochs).",
+)
 def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -> None:
     """Train OpenFold3 with the kit active (same options as `run_openfold train`)."""
     from of3_megafold import activate
@@ -162,32 +228,68 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
 
         _enable_tf32()
     if runner_yaml is None:
-        from of3_megafold.demo.train import DEFAULT_RUNNER_YAML, run_demo_training
-
-        demo_yaml = DEFAULT_RUNNER_YAML
-        demo = _overlaid(_load_runner_yaml(DEFAULT_RUNNER_YAML, None, None), overlays)
-        with _user_errors():  # before anything is written or built
-            check_model_update(demo)
-        if overlays:
-            demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
-        with _user_errors():
-            run_demo_training(
-                demo_yaml, output_dir, steps=steps, seed=seed, data_seed=data_seed
-            )
+        _train_demo(overlays, seed, data_seed, output_dir, steps)
         return
 
     from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
     from openfold3.entry_points.validator import TrainingExperimentConfig
     from openfold3.run_openfold import _configure_torch_backend
 
+    from of3_megafold.demo.train import seed_model_init
+
     _configure_torch_backend()
     runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
+    apply_run_options(runner_dict, output_dir, steps)
     with _user_errors():
         check_model_update(runner_dict)
         expt_config = TrainingExperimentConfig.model_validate(runner_dict)
         expt_runner = TrainingExperimentRunner(expt_config)
-    expt_runner.setup()
-    expt_runner.run()
+    seed_model_init(expt_config.experiment_settings.seed)
+    _pin_deepspeed_accelerator()
+    with _kit_errors():  # e.g. a damaged feature-store entry met in a worker
+        expt_runner.setup()
+        expt_runner.run()
+
+
+def apply_run_options(runner: dict, output_dir: Path | None, steps: int | None) -> None:
+    """``--output-dir`` and ``--steps`` on a runner YAML: the output directory, and
+    a stop after ``steps`` optimizer steps however many epochs that takes."""
+    if output_dir is not None:
+        runner.setdefault("experiment_settings", {})["output_dir"] = str(output_dir)
+    if steps is not None:
+        trainer_args = runner.setdefault("pl_trainer_args", {})
+        trainer_args["max_steps"] = steps
+        trainer_args["max_epochs"] = -1
+
+
+def _train_demo(overlays, seed, data_seed, output_dir, steps) -> None:
+    """``train`` without ``--runner-yaml``: the demo on the embedded data set."""
+    from of3_megafold.demo.build import ensure_demo_dataset
+    from of3_megafold.demo.train import (
+        DEFAULT_RUNNER_YAML,
+        removed_on_failure,
+        run_demo_training,
+    )
+
+    output_dir = Path("outputs") / "demo" if output_dir is None else output_dir
+    demo_yaml = DEFAULT_RUNNER_YAML
+    demo = _overlaid(_load_runner_yaml(DEFAULT_RUNNER_YAML, None, None), overlays)
+    with _user_errors():  # before anything is written
+        check_model_update(demo)
+    with _kit_errors():  # an unwritable cache is not the runner YAML's fault
+        dataset_dir = ensure_demo_dataset()
+    _pin_deepspeed_accelerator()
+    with _user_errors(), removed_on_failure(output_dir):
+        if overlays:
+            demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
+        run_demo_training(
+            demo_yaml,
+            output_dir,
+            steps=steps,
+            seed=seed,
+            data_seed=data_seed,
+            dataset_dir=dataset_dir,
+        )
 
 
 @main.command(
@@ -209,13 +311,11 @@ def predict(ctx: click.Context) -> None:
 @main.command()
 @click.option(
     "--dataset-cache",
-    required=True,
     type=click.Path(exists=True, path_type=Path),
     help="dataset_paths.<name>.dataset_cache_file of the runner YAML.",
 )
 @click.option(
     "--structures",
-    required=True,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="dataset_paths.<name>.target_structures_directory.",
 )
@@ -227,9 +327,7 @@ def predict(ctx: click.Context) -> None:
     show_default=True,
     help="dataset_paths.<name>.target_structure_file_format.",
 )
-@click.option(
-    "--out", required=True, type=click.Path(path_type=Path), help="Store directory."
-)
+@click.option("--out", type=click.Path(path_type=Path), help="Store directory.")
 @click.option(
     "--conformers",
     type=click.IntRange(min=0),
@@ -246,14 +344,47 @@ def predict(ctx: click.Context) -> None:
     "--conformers).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing store.")
+@click.option(
+    "--verify",
+    "verify_store",
+    type=click.Path(path_type=Path),
+    help="Check the size and SHA-256 of every entry of this store instead of "
+    "building one; one line per damaged entry, exit status 1 if any.",
+)
 def precompute(
-    dataset_cache, structures, structure_format, out, conformers, reference_mols, force
+    dataset_cache,
+    structures,
+    structure_format,
+    out,
+    conformers,
+    reference_mols,
+    force,
+    verify_store,
 ) -> None:
     """Build an EvoPipe feature store (docs/extensions/precomputed_features.md).
 
     Then train with `dataset_class: EvoPipeWeightedPDBDataset` and
     `config.feature_store: <out>` in place of `WeightedPDBDataset`.
     """
+    if verify_store is not None:
+        if dataset_cache or structures or out:
+            raise click.UsageError(
+                "--verify checks a store; it takes no --dataset-cache, "
+                "--structures or --out"
+            )
+        _verify_store(verify_store)
+        return
+    missing = [
+        name
+        for name, value in (
+            ("--dataset-cache", dataset_cache),
+            ("--structures", structures),
+            ("--out", out),
+        )
+        if value is None
+    ]
+    if missing:
+        raise click.UsageError(f"building a store needs {', '.join(missing)}")
     from of3_megafold.data.feature_store import build_feature_store
 
     with _user_errors():
@@ -267,6 +398,22 @@ def precompute(
             force=force,
         )
     click.echo(f"feature store written to {path}")
+
+
+def _verify_store(store: Path) -> None:
+    """``precompute --verify``: every damaged entry on its own line, then exit 1."""
+    from of3_megafold.data.feature_store import verify_feature_store
+
+    with _kit_errors():
+        damaged = verify_feature_store(store)
+    for line in damaged:
+        click.echo(line, err=True)
+    if damaged:
+        raise click.ClickException(
+            f"{len(damaged)} damaged entries in the feature store {store}; rebuild "
+            f"it with `of3-megafold precompute ... --out {store} --force`"
+        )
+    click.echo(f"feature store {store}: every entry has its recorded size and SHA-256")
 
 
 def info_rows() -> list[dict]:

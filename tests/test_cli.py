@@ -1,6 +1,7 @@
 """The ``of3-megafold`` command line: info, and readable configuration errors."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,107 @@ def test_bench_lists_every_benchmark_and_step_options():
 def test_every_extension_names_an_existing_docs_page():
     for row in json.loads(CliRunner().invoke(main, ["info", "--json"]).output):
         assert (ROOT / row["docs"]).is_file(), row["name"]
+
+
+@pytest.mark.parametrize("case", ["regular file", "under a regular file", "/proc"])
+def test_demo_with_an_unwritable_cache_is_one_error_and_writes_nothing(
+    tmp_path, monkeypatch, case
+):
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    cache = {
+        "regular file": regular,
+        "under a regular file": regular / "cache",
+        "/proc": Path("/proc/of3-megafold-cache"),
+    }[case]
+    monkeypatch.setenv("OF3_MEGAFOLD_CACHE", str(cache))
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(main, ["train", "--output-dir", str(out)])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    assert str(cache) in errors[0]
+    assert "set OF3_MEGAFOLD_CACHE to a writable directory" in errors[0]
+    assert "runner YAML" not in result.output
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+class _RecordingRunner:
+    """Stands in for OF3's ``TrainingExperimentRunner``: keeps the config."""
+
+    configs: list = []
+
+    def __init__(self, config):
+        self.configs.append(config)
+
+    def setup(self):
+        pass
+
+    def run(self):
+        pass
+
+
+def test_steps_and_output_dir_apply_to_a_runner_yaml(
+    runner_yaml, tmp_path, monkeypatch
+):
+    from openfold3.entry_points import experiment_runner
+
+    monkeypatch.setattr(experiment_runner, "TrainingExperimentRunner", _RecordingRunner)
+    _RecordingRunner.configs.clear()
+    out = tmp_path / "elsewhere"
+    args = ["train", "--runner-yaml", str(runner_yaml)]
+    result = CliRunner().invoke(main, [*args, "--steps", "1", "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    (config,) = _RecordingRunner.configs
+    assert config.experiment_settings.output_dir == out
+    assert config.pl_trainer_args.max_steps == 1
+    assert config.pl_trainer_args.max_epochs == -1  # the steps decide, not epochs
+
+    result = CliRunner().invoke(main, args)  # without them: the YAML's own
+    assert result.exit_code == 0, result.output
+    config = _RecordingRunner.configs[-1]
+    assert config.experiment_settings.output_dir == tmp_path / "out"
+    assert not hasattr(config.pl_trainer_args, "max_steps")
+
+    refused = CliRunner().invoke(main, [*args, "--steps", "0"])
+    assert refused.exit_code == 2 and "--steps" in refused.output
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["train", "--help"], ["predict", "--help"]]
+)
+def test_no_deepspeed_notice_on_stdout(args):
+    """DeepSpeed announces "Setting accelerator to CPU" on stdout when it is
+    imported on a machine without a GPU (OF3's predict imports it)."""
+    import subprocess
+    import sys
+
+    # A CLI run in this process may have set DS_ACCELERATOR; a user's shell has not.
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    result = subprocess.run(
+        [sys.executable, "-m", "of3_megafold.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Usage:" in result.stdout
+    assert "Setting accelerator" not in result.stdout
+
+
+def test_an_output_dir_that_cannot_be_created_is_one_error(
+    demo_dataset, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("OF3_MEGAFOLD_CACHE", str(demo_dataset.parent))
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    result = CliRunner().invoke(main, ["train", "--output-dir", str(regular / "out")])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: cannot create the output folder {regular / 'out'}: {regular} is a "
+        "regular file, not a directory; choose a writable --output-dir"
+    ]
+    assert "runner YAML" not in result.output

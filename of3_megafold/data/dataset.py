@@ -11,12 +11,15 @@ config field more than ``WeightedPDBDataset``::
           weight: 1.0
           config:
             feature_store: /data/of3/feature_store   # of3-megafold precompute --out
+            feature_store_verify: sizes   # or checksums (reads the whole store)
 
-Each sample takes its tokenized structure from the store instead of parsing and
-tokenizing it (see :mod:`of3_megafold.data.feature_store`) and then runs OF3's own
-steps unchanged: cropping (random), reference conformers (random), MSA and template
-sampling (random), featurization. Same random state, same sample as
-``WeightedPDBDataset``. A store built with a conformer pool (``precompute
+Building the dataset checks every entry of the store (sizes, or with
+``feature_store_verify: checksums`` also SHA-256s), so a damaged store stops the run
+before its first step. Each sample takes its tokenized structure from the store
+instead of parsing and tokenizing it (see :mod:`of3_megafold.data.feature_store`)
+and then runs OF3's own steps unchanged: cropping (random), reference conformers
+(random), MSA and template sampling (random), featurization. Same random state,
+same sample as ``WeightedPDBDataset``. A store built with a conformer pool (``precompute
 --conformers P``) also replaces each fresh ETKDG conformer by one drawn from the
 molecule's pool; molecules missing from the pool get a fresh one, as in OF3.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import contextvars
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 DATASET_CLASS = "EvoPipeWeightedPDBDataset"
 
@@ -173,14 +176,17 @@ def register() -> None:
         register_dataset_config,
     )
 
-    from of3_megafold.data.feature_store import FeatureStore
+    from of3_megafold.data.feature_store import VERIFY_MODES, FeatureStore
 
     parent_config = DatasetConfigRegistry.get("WeightedPDBDataset")
 
     class EvoPipeWeightedPDBConfig(parent_config):
-        """``WeightedPDBDataset``'s config plus the feature store directory."""
+        """``WeightedPDBDataset``'s config plus the feature store directory and
+        how much of it to check when the dataset is built (``sizes`` of every
+        entry, or also their ``checksums``)."""
 
         feature_store: Path
+        feature_store_verify: Literal[VERIFY_MODES] = "sizes"
 
     # OF3's decorator registers and returns None: call it, keep the class.
     register_dataset_config(DATASET_CLASS)(EvoPipeWeightedPDBConfig)
@@ -192,7 +198,9 @@ def register() -> None:
         def __init__(self, dataset_config) -> None:
             super().__init__(dataset_config)
             self.feature_store = FeatureStore.open(
-                dataset_config.feature_store, self._dataset_cache_file
+                dataset_config.feature_store,
+                self._dataset_cache_file,
+                verify=dataset_config.feature_store_verify,
             )
 
         def create_structure_features(self, pdb_id: str, *args, **kwargs):

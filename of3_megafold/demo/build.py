@@ -43,7 +43,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from of3_megafold._files import replace_directory
-from of3_megafold.errors import KitError
+from of3_megafold.errors import KitError, unwritable_cause
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,26 @@ class DemoSourceMissingError(KitError, FileNotFoundError):
 
 class DemoBuildError(KitError, RuntimeError):
     """The demo set could not be built from the shipped test data."""
+
+
+class DemoCacheError(KitError, OSError):
+    """The cache the demo set is built into cannot be written."""
+
+
+def cache_error(root: Path, error: OSError) -> DemoCacheError:
+    """One line naming the cache root, why it cannot be written, and the fix."""
+    cause = unwritable_cause(root, error)
+    if root != default_cache_root():
+        source = "the cache_dir passed in"
+    elif os.environ.get(CACHE_ENV_VAR):
+        source = f"${CACHE_ENV_VAR}"
+    else:
+        source = "the default cache"
+    return DemoCacheError(
+        f"cannot build the demo data set in {root} ({source}): {cause}. Fix: set "
+        f"{CACHE_ENV_VAR} to a writable directory, e.g. "
+        f"`export {CACHE_ENV_VAR}=$HOME/.cache/of3-megafold`"
+    )
 
 
 @dataclass(frozen=True)
@@ -218,6 +238,9 @@ def ensure_demo_dataset(
 
     Raises:
         DemoSourceMissingError: the OpenFold3 install lacks its test data.
+        DemoCacheError: the cache root cannot be created or written (a read-only
+            mount, a regular file on the path, ``/proc``); a finished set there is
+            still reused read-only.
         DemoBuildError: preprocessing produced no usable structure.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
@@ -228,15 +251,17 @@ def ensure_demo_dataset(
         return target
 
     sources = find_demo_sources()
-    root.mkdir(parents=True, exist_ok=True)
     with _build_lock(root):
         # Another process may have finished the same build while we waited.
         if not force and read_stamp(target) == stamp:
             return target
         _remove_abandoned_builds(root, target.name)
-        staging = Path(
-            tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{target.name}-", dir=root)
-        )
+        try:
+            staging = Path(
+                tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{target.name}-", dir=root)
+            )
+        except OSError as error:
+            raise cache_error(root, error) from error
         try:
             summary = _build_into(staging, sources, progress=progress)
             (staging / STAMP_FILE).write_text(
@@ -279,14 +304,23 @@ def demo_dataset_paths(dataset_dir: Path) -> dict[str, str | None]:
 
 @contextlib.contextmanager
 def _build_lock(root: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the cache root: one build at a time, per host.
+    """Create the cache root and hold an exclusive lock on it: one build at a time,
+    per host.
 
     Concurrent runs (two demos started at once) then build once; the second finds
     the first one's finished set.
+
+    Raises:
+        DemoCacheError: the root cannot be created or the lock file written.
     """
     import fcntl
 
-    with open(root / ".build.lock", "w") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / ".build.lock", "w")  # noqa: SIM115 (closed below)
+    except OSError as error:
+        raise cache_error(root, error) from error
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

@@ -25,6 +25,7 @@ import csv
 import logging
 import math
 import os
+import shutil
 import string
 import time
 import warnings
@@ -36,7 +37,7 @@ import pytorch_lightning as pl
 import yaml
 
 from of3_megafold.demo.build import ensure_demo_dataset
-from of3_megafold.errors import KitConfigError, KitError
+from of3_megafold.errors import KitConfigError, KitError, unwritable_cause
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ DATASET_PLACEHOLDER = "OF3_MEGAFOLD_DEMO"
 OUTPUT_PLACEHOLDER = "OF3_MEGAFOLD_OUTPUT"
 
 RESOLVED_YAML_NAME = "runner.yml"
+CHECKPOINTS_DIR = "checkpoints"
+"""Where Lightning's ``ModelCheckpoint`` writes without a logger (under OF3's
+``default_root_dir``, the run's output directory)."""
 LOSSES_CSV_NAME = "losses.csv"
 LOSSES_PNG_NAME = "losses.png"
 
@@ -291,7 +295,8 @@ def resolve_runner_yaml(
     Replaces ``${OF3_MEGAFOLD_DEMO}`` with ``dataset_dir`` and
     ``${OF3_MEGAFOLD_OUTPUT}`` with ``output_dir``; sets ``pl_trainer_args``
     accelerator and precision from ``accelerator`` (:func:`resolve_device`);
-    ``steps`` becomes one epoch of ``steps`` samples (batch size 1 per device).
+    ``steps`` becomes one epoch of ``steps`` samples (batch size 1 per device);
+    checkpoints keep their names on a rerun (no ``-v1`` copies).
 
     Args:
         runner_yaml: the YAML; None for ``runner_yamls/demo.yml``.
@@ -328,6 +333,9 @@ def resolve_runner_yaml(
         raise KitConfigError(f"{path}: not a YAML mapping")
 
     device, precision = resolve_device(accelerator)
+    # A rerun in the same folder overwrites its checkpoints (run_demo_training
+    # clears the last run's first) instead of writing last-v1.ckpt beside them.
+    runner.setdefault("checkpoint_config", {})["enable_version_counter"] = False
     trainer_args = runner.setdefault("pl_trainer_args", {})
     trainer_args["accelerator"] = device
     trainer_args["precision"] = precision
@@ -426,15 +434,11 @@ def run_demo_training(
         rows) and ``loss_problems`` (:func:`loss_problems`; empty when every step
         trained on real losses).
     """
-    from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
-    from openfold3.entry_points.import_utils import _configure_torch_backend
-    from openfold3.entry_points.validator import TrainingExperimentConfig
-
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    # Inputs first: a data set that cannot be built, or a YAML that does not
+    # resolve, stops the run before anything is written to output_dir.
     if dataset_dir is None:
         dataset_dir = ensure_demo_dataset(progress=progress)
-
     runner_dict = resolve_runner_yaml(
         runner_yaml,
         dataset_dir,
@@ -444,6 +448,71 @@ def run_demo_training(
         seed=seed,
         data_seed=data_seed,
     )
+    with removed_on_failure(output_dir):
+        result = _train(runner_dict, output_dir, Path(dataset_dir), progress)
+    _print_summary(result)
+    return result
+
+
+@contextlib.contextmanager
+def removed_on_failure(output_dir: Path) -> Iterator[None]:
+    """Create ``output_dir``; if the run fails before writing a checkpoint, remove
+    it again when this call created it (no empty or half-written run folder).
+
+    Raises:
+        KitError: ``output_dir`` cannot be created (names it and the cause).
+    """
+    created = not output_dir.exists()
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KitError(
+            f"cannot create the output folder {output_dir}: "
+            f"{unwritable_cause(output_dir, error)}; choose a writable --output-dir"
+        ) from error
+    try:
+        yield
+    except BaseException:
+        if created and not any((output_dir / CHECKPOINTS_DIR).glob("*.ckpt")):
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+def seed_model_init(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators before OF3 builds the model.
+
+    OF3's runner seeds them (``RankSpecificSeedCallback``) only once the Trainer
+    starts, after the model's weights were drawn, so two runs with the same seed
+    began from different weights. The output layers OF3 initialises to zero hid
+    it for the first steps: the losses agreed until the first update with a
+    non-zero learning rate had reached the hidden layers, then drifted.
+    """
+    from openfold3.core.utils.callbacks import set_seed_for_rank
+
+    set_seed_for_rank(seed, rank=0)
+
+
+def _clear_checkpoints(output_dir: Path) -> None:
+    """Remove a previous demo run's checkpoints from ``output_dir/checkpoints``.
+
+    Every demo run starts from fresh weights, so its checkpoints replace the last
+    run's rather than sitting beside them (Lightning would name the new ones
+    ``last-v1.ckpt``, ``demo-step20-v1.ckpt``, ...).
+    """
+    for checkpoint in (output_dir / CHECKPOINTS_DIR).glob("*.ckpt"):
+        checkpoint.unlink()
+
+
+def _train(
+    runner_dict: dict[str, Any], output_dir: Path, dataset_dir: Path, progress: bool
+) -> dict[str, Any]:
+    """OF3's training path on a resolved runner dict; the result of
+    :func:`run_demo_training`."""
+    from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
+    from openfold3.entry_points.import_utils import _configure_torch_backend
+    from openfold3.entry_points.validator import TrainingExperimentConfig
+
+    _clear_checkpoints(output_dir)
     resolved_yaml = output_dir / RESOLVED_YAML_NAME
     resolved_yaml.write_text(yaml.safe_dump(runner_dict, sort_keys=False))
 
@@ -458,6 +527,7 @@ def run_demo_training(
         # the losses.
         warnings.filterwarnings("ignore", message=r".*but have no logger configured")
         runner = TrainingExperimentRunner(experiment_config)
+        seed_model_init(experiment_config.experiment_settings.seed)
         runner.setup()
         # Before run(): OF3 builds the Trainer from this (cached) list there.
         runner.callbacks.extend([recorder, *callbacks])
@@ -490,7 +560,7 @@ def run_demo_training(
     result = {
         "output_dir": output_dir,
         "runner_yaml": resolved_yaml,
-        "dataset_dir": Path(dataset_dir),
+        "dataset_dir": dataset_dir,
         "checkpoint": Path(checkpoint) if checkpoint else None,
         "losses_csv": losses_csv,
         "losses_png": losses_png,
@@ -500,7 +570,6 @@ def run_demo_training(
         "losses": recorder.rows,
         "loss_problems": problems,
     }
-    _print_summary(result)
     return result
 
 

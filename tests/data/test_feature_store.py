@@ -1,6 +1,7 @@
 """EvoPipe: the feature store and the dataset adapter, on the demo set (CPU)."""
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -14,8 +15,11 @@ from of3_megafold.data.feature_store import (
     FeatureStore,
     FeatureStoreError,
     build_feature_store,
+    file_sha256,
+    verify_feature_store,
 )
 from of3_megafold.demo.build import demo_dataset_paths
+from of3_megafold.errors import user_message
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +163,14 @@ def test_a_bad_structure_is_named_and_nothing_is_written(paths, tmp_path):
 
 
 @pytest.mark.parametrize("text", ["", "garbage\n", '{"structure_data": 1}'])
-def test_a_foreign_dataset_cache_is_named_and_nothing_is_written(paths, tmp_path,
-                                                                  text):
+def test_a_foreign_dataset_cache_is_named_and_nothing_is_written(paths, tmp_path, text):
     cache = tmp_path / "cache.json"
     cache.write_text(text)
     out = tmp_path / "store"
     with pytest.raises(FeatureStoreError, match="cache.json: not an OF3 training"):
-        build_feature_store(cache, paths["target_structures_directory"], out,
-                            progress=False)
+        build_feature_store(
+            cache, paths["target_structures_directory"], out, progress=False
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
 
 
@@ -238,6 +242,11 @@ def test_precompute_command(paths, tmp_path):
     pooled = CliRunner().invoke(main, [*args, "--force", "--conformers", "2"])
     assert pooled.exit_code == 1 and "--reference-mols" in pooled.output
 
+    bare = CliRunner().invoke(main, ["precompute", "--out", str(out)])
+    assert bare.exit_code == 2 and "needs --dataset-cache, --structures" in bare.output
+    mixed = CliRunner().invoke(main, [*args, "--verify", str(out)])
+    assert mixed.exit_code == 2 and "--verify checks a store" in mixed.output
+
 
 def test_the_adapter_works_in_a_spawned_data_loader_worker(
     paths, pooled_store, tmp_path
@@ -265,5 +274,115 @@ def test_the_adapter_works_in_a_spawned_data_loader_worker(
     assert torch.isfinite(sample["ref_pos"]).all()
     # The worker really reads the store: with the entry broken, the sample fails.
     (store / "structures" / f"{pdb_id}.pkl").write_bytes(b"broken")
-    with pytest.raises(Exception, match=f"entry {pdb_id} .* is damaged"):
+    with pytest.raises(FeatureStoreError, match=f"entry {pdb_id} .* is damaged") as err:
         load_one()
+    # torch re-raises it with the worker's traceback in front; the CLI shows the
+    # kit's own line only.
+    assert "Original Traceback" in str(err.value)
+    message = user_message(err.value)
+    assert message.startswith(f"entry {pdb_id} of the feature store {store}")
+    assert "\n" not in message and "--force" in message
+
+
+def _damage(store: Path) -> dict[str, Path]:
+    """Three kinds of damage to three entries: truncated, one byte flipped (same
+    length), deleted."""
+    entries = sorted((store / "structures").iterdir())
+    truncated, flipped, deleted = entries[1], entries[4], entries[9]
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    deleted.unlink()
+    return {"truncated": truncated, "flipped": flipped, "deleted": deleted}
+
+
+def test_the_manifest_records_every_file_with_its_checksum(exact_store):
+    files = json.loads((exact_store / "manifest.json").read_text())["files"]
+    entries = sorted(p for p in (exact_store / "structures").iterdir())
+    assert sorted(files) == [f"structures/{p.name}" for p in entries]
+    for path in entries:
+        record = files[f"structures/{path.name}"]
+        assert record == {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    assert verify_feature_store(exact_store) == []
+
+
+def test_verify_names_each_damaged_entry(exact_store, tmp_path):
+    from click.testing import CliRunner
+
+    from of3_megafold.cli import main
+
+    store = tmp_path / "store"
+    shutil.copytree(exact_store, store)
+    ok = CliRunner().invoke(main, ["precompute", "--verify", str(store)])
+    assert ok.exit_code == 0, ok.output
+    assert "every entry has its recorded size and SHA-256" in ok.output
+
+    damaged = _damage(store)
+    result = CliRunner().invoke(main, ["precompute", "--verify", str(store)])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert f"{damaged['truncated']}: " in result.output
+    assert f"{damaged['flipped']}: SHA-256 differs" in result.output
+    assert f"{damaged['deleted']}: missing" in result.output
+    assert len(lines) == 4 and lines[-1].startswith("Error: 3 damaged entries")
+    # Sizes only: the flipped byte keeps the size and passes.
+    assert len(verify_feature_store(store, checksums=False)) == 2
+
+
+def test_the_dataset_checks_every_entry_before_training(paths, exact_store, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(exact_store, store)
+    data = bytearray((store / "structures" / "2q2k.pkl").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (store / "structures" / "2q2k.pkl").write_bytes(bytes(data))
+    dataset = "EvoPipeWeightedPDBDataset"
+    _dataset(paths, dataset, feature_store=store)  # sizes agree: opens
+    with pytest.raises(FeatureStoreError, match=r"2q2k\.pkl: SHA-256 differs"):
+        _dataset(paths, dataset, feature_store=store, feature_store_verify="checksums")
+
+    truncated = store / "structures" / "1ubq.pkl"
+    truncated.write_bytes(truncated.read_bytes()[:10])
+    with pytest.raises(FeatureStoreError) as error:
+        _dataset(paths, dataset, feature_store=store)
+    message = str(error.value)
+    assert f"{truncated}: 10 bytes" in message and "\n" not in message
+    assert f"precompute --verify {store}" in message
+
+
+def test_a_second_writer_fails_at_once(paths, tmp_path):
+    import fcntl
+
+    out = tmp_path / "store"
+    with open(tmp_path / ".store.lock", "a") as held:  # a first writer's lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for force in (False, True):
+            with pytest.raises(FeatureStoreError, match="another .* is writing"):
+                _build(paths, out, force=force)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".store.lock"]  # the test's
+
+
+def test_a_dead_writers_leftovers_are_removed(paths, tmp_path):
+    import subprocess
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = tmp_path / f".store.partial-{finished.pid}"
+    alive = tmp_path / f".store.partial-{os.getppid()}"
+    for partial in (dead, alive):
+        (partial / "structures").mkdir(parents=True)
+        (partial / "structures" / "1abc.pkl").write_bytes(b"x" * 1000)
+    (tmp_path / ".store.lock").write_text("")  # a killed writer's, no longer locked
+    out = _build(paths, tmp_path / "store")
+    assert not dead.exists()
+    assert alive.exists()  # its process still runs: not ours to delete
+    assert verify_feature_store(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "store"])
+
+
+def test_an_out_that_cannot_be_created_is_one_error(paths, tmp_path):
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    with pytest.raises(FeatureStoreError, match="a-file is a regular file"):
+        _build(paths, regular / "store")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]

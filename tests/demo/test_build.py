@@ -183,3 +183,57 @@ def test_missing_biotite_ccd_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(ccd, "get_ccd", no_ccd)
     with pytest.raises(DemoSourceMissingError, match="biotite.setup_ccd"):
         ensure_demo_dataset(tmp_path, progress=False)
+
+
+def _unwritable_caches(tmp_path: Path) -> dict[str, Path]:
+    """Cache roots no process can write, root included: a regular file, a path
+    under one, a path in /proc."""
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    return {
+        "regular file": regular,
+        "under a regular file": regular / "cache",
+        "/proc": Path("/proc/of3-megafold-cache"),
+    }
+
+
+@pytest.mark.parametrize("case", ["regular file", "under a regular file", "/proc"])
+def test_an_unwritable_cache_is_one_error_naming_path_cause_and_fix(
+    tmp_path, monkeypatch, case
+):
+    root = _unwritable_caches(tmp_path)[case]
+    monkeypatch.setenv(build.CACHE_ENV_VAR, str(root))
+    with pytest.raises(build.DemoCacheError) as error:
+        ensure_demo_dataset(progress=False)
+    message = str(error.value)
+    assert "\n" not in message
+    assert str(root) in message
+    assert f"${build.CACHE_ENV_VAR}" in message  # where the path came from
+    assert f"set {build.CACHE_ENV_VAR} to a writable directory" in message
+    if case != "/proc":
+        assert f"{tmp_path / 'a-file'} is a regular file" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_read_only_cache_is_one_error(tmp_path, monkeypatch):
+    if os.geteuid() == 0:
+        pytest.skip("chmod does not stop root from writing (the other cases do)")
+    root = tmp_path / "read-only"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        with pytest.raises(build.DemoCacheError, match="Permission denied"):
+            ensure_demo_dataset(root, progress=False)
+    finally:
+        root.chmod(0o700)
+    assert list(root.iterdir()) == []
+
+
+def test_a_finished_set_in_a_read_only_cache_is_still_used(demo_dataset, monkeypatch):
+    """Only building needs a writable cache: reusing a set writes nothing."""
+
+    def no_writes(*args, **kwargs):
+        raise AssertionError("tried to lock or write the cache")
+
+    monkeypatch.setattr(build, "_build_lock", no_writes)
+    assert ensure_demo_dataset(demo_dataset.parent, progress=False) == demo_dataset

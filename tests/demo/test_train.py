@@ -2,6 +2,7 @@
 
 import csv
 import math
+import os
 
 import pytest
 
@@ -143,3 +144,97 @@ def test_data_seed_overrides_the_seed_for_the_data(demo_dataset, tmp_path):
     )
     assert runner["experiment_settings"]["seed"] == 7
     assert runner["data_module_args"]["data_seed"] == 11
+
+
+LOSS_COLUMNS_SKIPPED = ("seconds",)  # wall time: the one column that may differ
+
+
+@pytest.fixture(scope="module")
+def two_cli_runs(demo_dataset, tmp_path_factory):
+    """``of3-megafold train --steps 3`` (the demo as a user runs it, CPU) twice into
+    the same output folder, with the same seed: stdout, exit status, and the loss
+    CSV and checkpoint folder after each run."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo-cli") / "run"
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # as a user's
+    env |= {"OF3_MEGAFOLD_CACHE": str(demo_dataset.parent), "CUDA_VISIBLE_DEVICES": ""}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "of3_megafold.cli", "train", "--steps", "3",
+             "--output-dir", str(out)],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        runs.append(
+            {
+                "returncode": done.returncode,
+                "stdout": done.stdout,
+                "stderr": done.stderr,
+                "losses": (out / "losses.csv").read_text().splitlines()
+                if done.returncode == 0
+                else None,
+                "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir())
+                if done.returncode == 0
+                else None,
+            }
+        )
+    return runs
+
+
+def _without_wall_time(lines: list[str]) -> list[list[str]]:
+    rows = list(csv.reader(lines))
+    keep = [i for i, name in enumerate(rows[0]) if name not in LOSS_COLUMNS_SKIPPED]
+    return [[row[i] for i in keep] for row in rows]
+
+
+def test_the_demo_command_trains_and_keeps_stdout_clean(two_cli_runs):
+    first = two_cli_runs[0]
+    assert first["returncode"] == 0, first["stderr"][-3000:]
+    assert "Demo training: 3 steps" in first["stdout"]
+    assert "Setting accelerator" not in first["stdout"] + first["stderr"]
+    assert len(first["losses"]) == 4  # header and three steps
+
+
+def test_the_same_seed_gives_the_same_losses(two_cli_runs):
+    first, second = two_cli_runs
+    assert second["returncode"] == 0, second["stderr"][-3000:]
+    assert _without_wall_time(first["losses"]) == _without_wall_time(second["losses"])
+
+
+def test_a_rerun_replaces_its_checkpoints(two_cli_runs):
+    first, second = two_cli_runs
+    assert first["checkpoints"] == ["demo-step3.ckpt", "last.ckpt"]
+    assert second["checkpoints"] == first["checkpoints"]  # no last-v1.ckpt
+
+
+def test_a_previous_runs_checkpoints_are_cleared(demo_dataset, tmp_path):
+    from of3_megafold.demo.train import CHECKPOINTS_DIR, _clear_checkpoints
+
+    checkpoints = tmp_path / CHECKPOINTS_DIR
+    checkpoints.mkdir()
+    for name in ("demo-step20.ckpt", "last.ckpt", "notes.txt"):
+        (checkpoints / name).write_text("")
+    _clear_checkpoints(tmp_path)
+    assert [p.name for p in checkpoints.iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_run_removes_only_the_folder_it_created(tmp_path):
+    from of3_megafold.demo.train import CHECKPOINTS_DIR, removed_on_failure
+
+    def fail_in(folder, checkpoint=False):
+        with pytest.raises(RuntimeError), removed_on_failure(folder):
+            (folder / "runner.yml").write_text("")
+            if checkpoint:
+                (folder / CHECKPOINTS_DIR).mkdir()
+                (folder / CHECKPOINTS_DIR / "last.ckpt").write_text("")
+            raise RuntimeError("training failed")
+
+    fail_in(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    fail_in(tmp_path / "old")
+    assert (tmp_path / "old" / "runner.yml").exists()  # not ours to delete
+    fail_in(tmp_path / "trained", checkpoint=True)
+    assert (tmp_path / "trained" / CHECKPOINTS_DIR / "last.ckpt").exists()
