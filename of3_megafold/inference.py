@@ -104,11 +104,29 @@ def _nested(mapping: dict, *keys: str) -> Any:
     return mapping
 
 
+def model_config_for(runner: dict[str, Any]) -> Any:
+    """The model config (``ml_collections.ConfigDict``) a runner's ``model_update``
+    gives: OF3's presets, then ``custom``. Building it runs OF3's and the kit's
+    checks, so a bad key or value stops here, before OF3 writes anything.
+
+    A runner without ``model_update`` gets ``InferenceExperimentConfig``'s default
+    (the ``predict`` preset), written into ``runner``.
+    """
+    from openfold3.projects.of3_all_atom.project_entry import (
+        ModelUpdate,
+        OF3ProjectEntry,
+    )
+
+    runner.setdefault("model_update", {"presets": ["predict"]})
+    update = ModelUpdate.model_validate(runner["model_update"])
+    return OF3ProjectEntry().get_model_config_with_update(update)
+
+
 def switch_off_gpu_only_eval_defaults(runner: dict[str, Any]) -> list[str]:
     """Turn off the GPU-only eval flags a runner would get from OF3's defaults.
 
-    Builds the model config the runner's ``model_update`` gives (OF3's presets
-    and ``custom``; this also checks the kit's keys and values). Each flag of
+    Builds the model config the runner's ``model_update`` gives
+    (:func:`model_config_for`, which also checks the keys and values). Each flag of
     :data:`GPU_ONLY_EVAL_FLAGS` that is on there, but not set in the runner
     YAML, is set to false in ``model_update.custom.settings.memory.eval``, and
     one line is logged. Call it only where the run will not use CUDA.
@@ -122,16 +140,7 @@ def switch_off_gpu_only_eval_defaults(runner: dict[str, Any]) -> list[str]:
     Raises:
         KitConfigError: the runner YAML itself sets one of the flags to true.
     """
-    from openfold3.projects.of3_all_atom.project_entry import (
-        ModelUpdate,
-        OF3ProjectEntry,
-    )
-
-    if "model_update" not in runner:
-        # InferenceExperimentConfig's default when the section is absent.
-        runner["model_update"] = {"presets": ["predict"]}
-    update = ModelUpdate.model_validate(runner["model_update"])
-    memory = OF3ProjectEntry().get_model_config_with_update(update).settings.memory
+    memory = model_config_for(runner).settings.memory
     custom = runner["model_update"].setdefault("custom", {})
     asked = _nested(custom, "settings", "memory", "eval") or {}
 
@@ -141,8 +150,8 @@ def switch_off_gpu_only_eval_defaults(runner: dict[str, Any]) -> list[str]:
             f"model_update.custom.settings.memory.eval.{flag}" for flag in requested
         )
         raise KitConfigError(
-            f"{keys}: true needs a CUDA GPU, and torch sees none here; set it to "
-            "false to predict on this machine"
+            f"{keys}: true needs a CUDA GPU, and this run is not on one (no CUDA "
+            "device, or pl_trainer_args.accelerator: cpu); set it to false"
         )
     defaults_on = [flag for flag in GPU_ONLY_EVAL_FLAGS if memory.eval.get(flag)]
     if defaults_on:
@@ -153,7 +162,7 @@ def switch_off_gpu_only_eval_defaults(runner: dict[str, Any]) -> list[str]:
         )
         eval_settings.update(dict.fromkeys(defaults_on, False))
         logger.warning(
-            "No CUDA device: switched off OF3's GPU-only eval default(s) %s "
+            "Not on a CUDA device: switched off OF3's GPU-only eval default(s) %s "
             "(settings.memory.eval)",
             ", ".join(defaults_on),
         )
@@ -241,6 +250,7 @@ def run_inference(
 
     Args:
         runner: the merged runner dict (``InferenceExperimentConfig`` fields);
+            its model update is checked first (:func:`model_config_for`), and
             GPU-only eval defaults are switched off in it when the run will not
             use CUDA.
         query_set: an OF3 ``InferenceQuerySet``.
@@ -260,7 +270,9 @@ def run_inference(
     from openfold3.entry_points.validator import InferenceExperimentConfig
 
     portable = copy.deepcopy(runner)
-    if not runs_on_cuda(runner):
+    if runs_on_cuda(runner):
+        model_config_for(runner)
+    else:
         switch_off_gpu_only_eval_defaults(runner)
     fields = dict(runner)
     if inference_ckpt_path is not None or inference_ckpt_name is not None:

@@ -297,3 +297,15 @@ def test_sigterm_stops_a_prediction_promptly(demo_run, demo_cache, tmp_path):
     assert "Error: SIGTERM received: prediction stopped" in log
     assert waited < 10, f"took {waited:.1f} s to stop"
     assert not (out / "summary.txt").exists()  # it did not run to the end
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_raise_an_interrupt_and_the_handlers_are_restored(signum):
+    from of3_megafold.inference import stop_on_signals
+
+    before = signal.getsignal(signum)
+    with pytest.raises(KeyboardInterrupt), stop_on_signals() as received:
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler raises as soon as Python runs again
+    assert received == {"signum": signum}
+    assert signal.getsignal(signum) is before
