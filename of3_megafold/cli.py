@@ -369,11 +369,6 @@ def _predict(
             output_dir = output_dir or Path(demo_dir) / demo.PREDICT_DIR_NAME
             runner = demo.demo_predict_runner(trained_yaml, dataset_dir, output_dir)
         runner["inference_ckpt_path"] = str(checkpoint)
-        query = query_json or (
-            inference.sequence_query(sequences)
-            if sequences
-            else demo.entry_query(dataset_dir)
-        )
     else:
         # run_openfold predict's user defaults: $OPENFOLD_CACHE/runner.yml first.
         cache_yaml = Path(os.environ.get("OPENFOLD_CACHE") or DEFAULT_CACHE_PATH)
@@ -384,11 +379,15 @@ def _predict(
             runner = _load_runner_yaml(cache_yaml, None, None)
         if runner_yaml is not None:
             config_utils.deep_update(runner, _load_runner_yaml(runner_yaml, None, None))
-        query = query_json or inference.sequence_query(sequences)
     runner = _overlaid(runner, overlays)
 
     with _user_errors():
-        query_set = inference.load_query_set(query)
+        if query_json is not None:
+            query_set = inference.load_query_set(query_json)
+        elif sequences:
+            query_set = inference.load_query_set(inference.sequence_query(sequences))
+        else:
+            query_set = inference.load_query_set(demo.entry_query(dataset_dir))
         result = inference.run_inference(
             runner,
             query_set,

@@ -309,3 +309,17 @@ def test_signals_raise_an_interrupt_and_the_handlers_are_restored(signum):
         time.sleep(5)  # the handler raises as soon as Python runs again
     assert received == {"signum": signum}
     assert signal.getsignal(signum) is before
+
+
+def test_sequences_make_one_query_of_protein_chains(tmp_path):
+    from of3_megafold.inference import load_query_set, sequence_query
+
+    query_set = load_query_set(sequence_query(("MKV", "GSS")))
+    chains = query_set.queries["query"].chains
+    assert [c.chain_ids for c in chains] == [["A"], ["B"]]
+    assert [c.sequence for c in chains] == ["MKV", "GSS"]
+
+    broken = tmp_path / "q.json"
+    broken.write_text(json.dumps({"queries": {"q": {"chains": [{"chain_ids": "A"}]}}}))
+    with pytest.raises(KitConfigError, match="q.json: not a valid OF3 query set"):
+        load_query_set(broken)
