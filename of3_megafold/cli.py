@@ -1,11 +1,12 @@
 """`of3-megafold`: OF3's own commands with the kit active, plus `info`, `bench`,
 `precompute` and `test-of3`.
 
-``train`` and ``predict`` take the same options as ``run_openfold train|predict``;
-they call :func:`of3_megafold.activate` first, so the kit's keys in
+``train`` and ``predict`` take the options of ``run_openfold train|predict`` plus
+``--overlay``; they call :func:`of3_megafold.activate` first, so the kit's keys in
 ``model_update.custom`` are honoured. ``train`` with no ``--runner-yaml`` runs the
-demo on the embedded tiny data set. Configuration errors end with one readable
-message and a non-zero exit status, not a traceback.
+demo on the embedded tiny data set, ``predict`` with none predicts with the model
+the demo trained (:mod:`of3_megafold.demo.predict`). Configuration errors end
+with one readable message and a non-zero exit status, not a traceback.
 """
 
 from __future__ import annotations
@@ -292,20 +293,225 @@ def _train_demo(overlays, seed, data_seed, output_dir, steps) -> None:
         )
 
 
-@main.command(
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
+@main.command()
+@click.option(
+    "--runner-yaml",
+    "--runner_yaml",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="OF3 inference runner YAML. Without it (and without --inference-ckpt-*): "
+    "the demo's model (runner_yamls/demo_predict.yml).",
+)
+@click.option(
+    "--overlay",
+    "overlays",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML merged on top of the runner YAML (repeatable), e.g. "
+    "runner_yamls/all_on.yml.",
+)
+@click.option(
+    "--query-json",
+    "--query_json",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="OF3 query JSON. Demo default: one structure of the demo set (1ubq).",
+)
+@click.option(
+    "--sequence",
+    "sequences",
+    multiple=True,
+    help="A protein chain's sequence, in place of --query-json (repeatable: "
+    "chains A, B, ... of one query named 'query').",
+)
+@click.option(
+    "--inference-ckpt-path",
+    "--inference_ckpt_path",
+    type=click.Path(exists=True, path_type=Path),
+    help="Model checkpoint (as in run_openfold predict).",
+)
+@click.option(
+    "--inference-ckpt-name",
+    "--inference_ckpt_name",
+    help="Name of an OF3 checkpoint in $OPENFOLD_CACHE (as in run_openfold predict).",
+)
+@click.option(
+    "--num-diffusion-samples",
+    "--num_diffusion_samples",
+    type=click.IntRange(min=1),
+    help="Diffusion samples per query.",
+)
+@click.option(
+    "--num-model-seeds",
+    "--num_model_seeds",
+    type=click.IntRange(min=1),
+    help="Model seeds per query.",
+)
+@click.option(
+    "--use-msa-server", "--use_msa_server", type=bool, help="ColabFold MSA server."
+)
+@click.option("--use-templates", "--use_templates", type=bool, help="Use templates.")
+@click.option(
+    "--output-dir",
+    "--output_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where predictions go. Demo default: <demo-dir>/predict.",
+)
+@click.option("--use_tf32", type=bool, default=True, help="Use TF32 matmuls.")
+@click.option(
+    "--demo-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("outputs") / "demo",
+    show_default=True,
+    help="Demo only: the demo training's --output-dir (its checkpoint and model).",
 )
 @click.pass_context
-def predict(ctx: click.Context) -> None:
-    """Run `run_openfold predict` with the kit active (same options)."""
-    from openfold3.run_openfold import predict as of3_predict
+def predict(
+    ctx: click.Context,
+    runner_yaml,
+    overlays,
+    query_json,
+    sequences,
+    inference_ckpt_path,
+    inference_ckpt_name,
+    num_diffusion_samples,
+    num_model_seeds,
+    use_msa_server,
+    use_templates,
+    output_dir,
+    use_tf32,
+    demo_dir,
+) -> None:
+    """Predict structures with OF3 and the kit active (`run_openfold predict`'s
+    options, plus --overlay and --sequence).
 
-    from of3_megafold import activate
+    With no --runner-yaml and no --inference-ckpt-*: the demo's last checkpoint
+    predicts one structure of the demo set (or the query given) into
+    outputs/demo/predict/. Exits 1 naming the queries that failed.
+    """
+    import signal
+
+    from of3_megafold.inference import PredictionInterrupted, stop_on_signals
+
+    # From the start: a SIGTERM during the imports or the set-up stops it too.
+    with stop_on_signals() as received:
+        try:
+            _predict(
+                runner_yaml,
+                overlays,
+                query_json,
+                sequences,
+                inference_ckpt_path,
+                inference_ckpt_name,
+                num_diffusion_samples=num_diffusion_samples,
+                num_model_seeds=num_model_seeds,
+                use_msa_server=use_msa_server,
+                use_templates=use_templates,
+                output_dir=output_dir,
+                use_tf32=use_tf32,
+                demo_dir=demo_dir,
+            )
+        except KeyboardInterrupt as stop:
+            if isinstance(stop, PredictionInterrupted):
+                signum, message = stop.signum, str(stop)
+            elif "signum" in received:
+                signum = received["signum"]
+                message = f"{signal.Signals(signum).name} received before prediction"
+            else:
+                raise
+            click.echo(f"Error: {message}", err=True)
+            ctx.exit(128 + signum)
+
+
+def _predict(
+    runner_yaml: Path | None,
+    overlays: tuple[Path, ...],
+    query_json: Path | None,
+    sequences: tuple[str, ...],
+    inference_ckpt_path: Path | None,
+    inference_ckpt_name: str | None,
+    *,
+    output_dir: Path | None,
+    use_tf32: bool,
+    demo_dir: Path,
+    **options,
+) -> None:
+    import logging
+    import os
+
+    from openfold3.core.config import config_utils
+    from openfold3.entry_points.import_utils import (
+        _configure_torch_backend,
+        _enable_tf32,
+    )
+    from openfold3.entry_points.parameters import DEFAULT_CACHE_PATH
+
+    from of3_megafold import activate, inference
+    from of3_megafold.demo import predict as demo
+
+    if query_json is not None and sequences:
+        raise click.UsageError("give --query-json or --sequence, not both")
+    demo_run = runner_yaml is None and not (inference_ckpt_path or inference_ckpt_name)
+    if not demo_run and query_json is None and not sequences:
+        raise click.UsageError(
+            "give --query-json or --sequence (or neither, and "
+            "no --runner-yaml, for the demo)"
+        )
+    with _user_errors():
+        if demo_run:
+            checkpoint, trained_yaml = demo.demo_checkpoint(demo_dir)
+        activate()
+    _configure_torch_backend()
+    if use_tf32:
+        _enable_tf32()
+    logging.basicConfig(level=logging.INFO)  # as run_openfold predict
+
+    default_yaml = None
+    if demo_run:
+        from of3_megafold.demo.build import ensure_demo_dataset
+
+        with _user_errors():
+            dataset_dir = ensure_demo_dataset()
+            output_dir = output_dir or Path(demo_dir) / demo.PREDICT_DIR_NAME
+            runner = demo.demo_predict_runner(trained_yaml, dataset_dir, output_dir)
+        runner["inference_ckpt_path"] = str(checkpoint)
+    else:
+        # run_openfold predict's user defaults: $OPENFOLD_CACHE/runner.yml first.
+        cache_yaml = Path(os.environ.get("OPENFOLD_CACHE") or DEFAULT_CACHE_PATH)
+        cache_yaml = cache_yaml / "runner.yml"
+        runner = {}
+        if cache_yaml.is_file():
+            default_yaml = cache_yaml.resolve()
+            runner = _load_runner_yaml(cache_yaml, None, None)
+        if runner_yaml is not None:
+            config_utils.deep_update(runner, _load_runner_yaml(runner_yaml, None, None))
+    runner = _overlaid(runner, overlays)
 
     with _user_errors():
-        activate()
-        of3_predict.main(args=ctx.args, prog_name="of3-megafold predict")
+        if query_json is not None:
+            query_set = inference.load_query_set(query_json)
+        elif sequences:
+            query_set = inference.load_query_set(inference.sequence_query(sequences))
+        else:
+            query_set = inference.load_query_set(demo.entry_query(dataset_dir))
+        result = inference.run_inference(
+            runner,
+            query_set,
+            inference_ckpt_path=inference_ckpt_path,
+            inference_ckpt_name=inference_ckpt_name,
+            output_dir=None if demo_run else output_dir,
+            user_default_runner_yaml_path=default_yaml,
+            runner_copy=demo.RUNNER_COPY_NAME if demo_run else None,
+            **options,
+        )
+    extra = {"checkpoint": checkpoint} if demo_run else {}
+    inference.print_summary(
+        result, "Demo prediction" if demo_run else "Prediction", **extra
+    )
+    if result.failed_queries:
+        raise click.ClickException(
+            f"{len(result.failed_queries)} of {len(result.queries)} queries failed: "
+            f"{', '.join(result.failed_queries)} (tracebacks in "
+            f"{result.output_dir / 'logs'}/predict_err_rank*.log)"
+        )
 
 
 @main.command()
