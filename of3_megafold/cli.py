@@ -152,6 +152,7 @@ def _write_yaml(runner: dict, path: Path) -> Path:
 def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -> None:
     """Train OpenFold3 with the kit active (same options as `run_openfold train`)."""
     from of3_megafold import activate
+    from of3_megafold.parallel import launch
 
     with _user_errors():
         activate()
@@ -160,17 +161,23 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
 
         _enable_tf32()
     if runner_yaml is None:
-        from of3_megafold.demo.train import DEFAULT_RUNNER_YAML, run_demo_training
+        from of3_megafold.demo.train import DEFAULT_RUNNER_YAML
 
         demo_yaml = DEFAULT_RUNNER_YAML
         demo = _overlaid(_load_runner_yaml(DEFAULT_RUNNER_YAML, None, None), overlays)
         with _user_errors():  # before anything is written or built
             check_model_update(demo)
+            world = launch.plan_world(demo, accelerator="auto")
         if overlays:
             demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
-        with _user_errors():
-            run_demo_training(
-                demo_yaml, output_dir, steps=steps, seed=seed, data_seed=data_seed
+        with _user_errors():  # one process per rank of the YAML's world
+            launch.run_demo(
+                world,
+                demo_yaml,
+                output_dir,
+                steps=steps,
+                seed=seed,
+                data_seed=data_seed,
             )
         return
 
@@ -183,6 +190,14 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
     with _user_errors():
         check_model_update(runner_dict)
         expt_config = TrainingExperimentConfig.model_validate(runner_dict)
+        world = launch.plan_world(runner_dict)
+    if world.world_size > 1:  # one process per rank (of3_megafold.parallel.launch)
+        try:
+            launch.run_training(world, runner_dict, use_tf32)
+        except KitError as err:
+            raise click.ClickException(str(err)) from err
+        return
+    with _user_errors():
         expt_runner = TrainingExperimentRunner(expt_config)
     expt_runner.setup()
     expt_runner.run()

@@ -16,6 +16,11 @@ per-step loss breakdown OF3 logs. It writes:
     wall time, and every loss component OF3 reported;
 ``<output_dir>/losses.png``
     one panel per loss component.
+
+In a run of several processes (``pl_trainer_args.devices``; the CLI starts them,
+:mod:`of3_megafold.parallel.launch`) rank 0 writes these files, with its own
+data-parallel replica's losses. The initial weights are drawn from
+``experiment_settings.seed``, so a run is repeatable.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import yaml
 
 from of3_megafold.demo.build import ensure_demo_dataset
 from of3_megafold.errors import KitConfigError, KitError
+from of3_megafold.parallel.launch import data_parallel_size, global_rank
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +297,8 @@ def resolve_runner_yaml(
     Replaces ``${OF3_MEGAFOLD_DEMO}`` with ``dataset_dir`` and
     ``${OF3_MEGAFOLD_OUTPUT}`` with ``output_dir``; sets ``pl_trainer_args``
     accelerator and precision from ``accelerator`` (:func:`resolve_device`);
-    ``steps`` becomes one epoch of ``steps`` samples (batch size 1 per device).
+    ``steps`` becomes one epoch of ``steps`` samples per data-parallel replica
+    (batch size 1; an SP group is one replica).
 
     Args:
         runner_yaml: the YAML; None for ``runner_yamls/demo.yml``.
@@ -334,10 +341,9 @@ def resolve_runner_yaml(
     if steps is not None:
         if steps < 1:
             raise KitConfigError(f"steps must be >= 1, got {steps}")
-        devices = int(trainer_args.get("devices", 1)) * int(
-            trainer_args.get("num_nodes", 1)
-        )
-        runner.setdefault("data_module_args", {})["epoch_len"] = steps * devices
+        # One sample per data-parallel replica (an SP group shares its sample).
+        replicas = data_parallel_size(runner)
+        runner.setdefault("data_module_args", {})["epoch_len"] = steps * replicas
         trainer_args["max_epochs"] = 1
     if seed is not None:
         runner.setdefault("experiment_settings", {})["seed"] = seed
@@ -439,7 +445,9 @@ def run_demo_training(
         data_seed=data_seed,
     )
     resolved_yaml = output_dir / RESOLVED_YAML_NAME
-    resolved_yaml.write_text(yaml.safe_dump(runner_dict, sort_keys=False))
+    writer = global_rank() == 0  # one process writes the run's files
+    if writer:
+        resolved_yaml.write_text(yaml.safe_dump(runner_dict, sort_keys=False))
 
     _configure_torch_backend()
     experiment_config = TrainingExperimentConfig.model_validate(runner_dict)
@@ -451,6 +459,11 @@ def run_demo_training(
         # logger, and Lightning warns once per metric name. LossRecorder keeps
         # the losses.
         warnings.filterwarnings("ignore", message=r".*but have no logger configured")
+        # OF3 seeds its generators only once the model exists (its
+        # RankSpecificSeedCallback): seed them before, so the demo's initial
+        # weights come from experiment_settings.seed and a run is repeatable
+        # (and comparable across process counts).
+        _seed_generators(experiment_config.experiment_settings.seed)
         runner = TrainingExperimentRunner(experiment_config)
         runner.setup()
         # Before run(): OF3 builds the Trainer from this (cached) list there.
@@ -467,12 +480,11 @@ def run_demo_training(
             checkpoint_callback.last_model_path or checkpoint_callback.best_model_path
         ) or None
 
-    losses_csv = write_losses_csv(recorder, output_dir / LOSSES_CSV_NAME)
-    losses_png = plot_losses(
-        recorder,
-        output_dir / LOSSES_PNG_NAME,
-        title=f"OF3 demo training ({device})",
-    )
+    losses_csv = output_dir / LOSSES_CSV_NAME
+    losses_png = output_dir / LOSSES_PNG_NAME
+    if writer:
+        write_losses_csv(recorder, losses_csv)
+        plot_losses(recorder, losses_png, title=f"OF3 demo training ({device})")
     problems = loss_problems(recorder.rows)
     if problems:
         logger.warning(
@@ -494,8 +506,22 @@ def run_demo_training(
         "losses": recorder.rows,
         "loss_problems": problems,
     }
-    _print_summary(result)
+    if writer:
+        _print_summary(result)
     return result
+
+
+def _seed_generators(seed: int) -> None:
+    """Python's, NumPy's and torch's default generators (every device) from
+    ``seed``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _drop_progress_bars(runner: Any) -> None:
