@@ -35,6 +35,7 @@ from of3_megafold.parallel.comm import (
     gather_for_local_use,
     gather_from_sp,
     scatter_to_sp,
+    start_gather_for_local_use,
     swap_shard_axis,
 )
 from of3_megafold.parallel.rng import adopt_first_rank_generators
@@ -75,13 +76,20 @@ def sharded_triangle_multiplication(
     mask = mask.unsqueeze(-1)
     z = module.layer_norm_in(z)
     a, b = _projections(module, z, mask)
+    # The gather is in flight while the output gate, which does not need it, is
+    # computed (the same ops as OF3's, in another order: the same values).
     if module._outgoing:
-        b = gather_for_local_use(b, -3, shards.group)
+        pending = start_gather_for_local_use(b, -3, shards.group)
     else:
-        a = gather_for_local_use(a, -2, shards.group)
+        pending = start_gather_for_local_use(a, -2, shards.group)
+    gate = module.sigmoid(module.linear_g(z))
+    if module._outgoing:
+        b = pending.wait()
+    else:
+        a = pending.wait()
     x = module._combine_projections(a, b)
     x = module.linear_z(module.layer_norm_out(x))
-    return x * module.sigmoid(module.linear_g(z))
+    return x * gate
 
 
 def sharded_triangle_attention(
