@@ -15,9 +15,9 @@ The two runs of a case run side by side. Both cases are marked slow (minutes on
 Both runs draw the same initial weights (the demo seeds them from
 ``experiment_settings.seed``), the same samples (the data-parallel rank is the SP
 group's) and, with the diffusion samples not split, the same random draws (the
-group uses its first rank's generators), so the losses agree to fp32 rounding of
-the sharded sums. ``clip_val`` is set below the demo's gradient norm (about 1), so
-OF3's per-sample clipping clips every step, on the group's gradient.
+group uses its first rank's generators), so the losses and weights agree to fp32
+rounding of the sharded sums. ``clip_val`` is set below the demo's gradient norm
+(about 1), so OF3's per-sample clipping clips every step, on the group's gradient.
 """
 
 import csv
@@ -33,7 +33,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 LOSS_RTOL = 1e-4  # per step and loss component
-PARAM_TOL = 1e-5  # relative to each parameter tensor's largest entry
+# Weights after the three steps, relative to each tensor's largest entry. OF3's
+# Adam divides each gradient entry by its own magnitude, so fp32 rounding of
+# entries near zero moves weights by more than the rounding itself (DP 2 x SP 2
+# against DP 2: about 1.3e-5).
+PARAM_TOL = 1e-4
 CLIP = {
     "model_update": {
         "custom": {"settings": {"gradient_clipping": {"clip_val": 0.1}}}

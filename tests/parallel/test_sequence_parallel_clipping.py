@@ -21,9 +21,10 @@ same batch every step:
 
 The optimizer is plain SGD here, not OF3's Adam: Adam's first steps divide each
 gradient entry by its own magnitude, which turns the fp32 rounding of entries whose
-true value is about zero into moves of the order of the learning rate (1e-4 of
-some tensors' scale after three steps), so the parameters would measure rounding,
-not clipping. The clipping runs before the optimizer and does not depend on it.
+true value is about zero into moves of the order of the learning rate (about 2e-4
+of some tensors' scale after three steps), so the parameters would measure
+rounding, not clipping. The clipping runs before the optimizer and does not depend
+on it.
 """
 
 import os
