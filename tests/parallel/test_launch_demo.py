@@ -9,8 +9,8 @@ last checkpoint with a run of the same demo on fewer processes:
 - ``runner_yamls/sp_cpu4_dp2.yml`` (2 data-parallel replicas x SP 2) against the
   same demo on 2 data-parallel processes.
 
-The two runs of a case run side by side. Both cases are marked slow (minutes on
-2 cores, mostly each process's start-up: imports, Lightning, the data workers).
+The two runs of a case run side by side: on 2 cores about 45 s for SP 2 and 80 s
+for DP 2 x SP 2 (six processes; marked slow), mostly each process's start-up.
 
 Both runs draw the same initial weights (the demo seeds them from
 ``experiment_settings.seed``), the same samples (the data-parallel rank is the SP
@@ -115,7 +115,6 @@ def clip_overlay(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_sp2_demo_trains_as_one_process(demo_dataset, clip_overlay, tmp_path):
     one, sp2 = train_both(
         tmp_path,

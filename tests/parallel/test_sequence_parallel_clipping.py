@@ -161,7 +161,6 @@ def step_grads(got: dict, ref: dict, names: list[str], sizes: list[int]):
         yield i, grad, {"grad": want, "names": names, "grad_sizes": sizes}
 
 
-@pytest.mark.slow
 def test_per_sample_clipping_matches_one_process(tmp_path):
     (ref,) = _run(tmp_path, 1)
     assert len(ref["norms"]) == len(ref["grads"]) == STEPS
