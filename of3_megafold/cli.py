@@ -221,6 +221,7 @@ def _write_yaml(runner: dict, path: Path) -> Path:
 def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -> None:
     """Train OpenFold3 with the kit active (same options as `run_openfold train`)."""
     from of3_megafold import activate
+    from of3_megafold.parallel import launch
 
     with _user_errors():
         activate()
@@ -244,9 +245,15 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
     with _user_errors():
         check_model_update(runner_dict)
         expt_config = TrainingExperimentConfig.model_validate(runner_dict)
+        world = launch.plan_world(runner_dict)
+    _pin_deepspeed_accelerator()
+    if world.world_size > 1:  # one process per rank (of3_megafold.parallel.launch)
+        with _kit_errors():
+            launch.run_training(world, runner_dict, use_tf32)
+        return
+    with _user_errors():
         expt_runner = TrainingExperimentRunner(expt_config)
     seed_model_init(expt_config.experiment_settings.seed)
-    _pin_deepspeed_accelerator()
     with _kit_errors():  # e.g. a damaged feature-store entry met in a worker
         expt_runner.setup()
         expt_runner.run()
@@ -266,24 +273,23 @@ def apply_run_options(runner: dict, output_dir: Path | None, steps: int | None) 
 def _train_demo(overlays, seed, data_seed, output_dir, steps) -> None:
     """``train`` without ``--runner-yaml``: the demo on the embedded data set."""
     from of3_megafold.demo.build import ensure_demo_dataset
-    from of3_megafold.demo.train import (
-        DEFAULT_RUNNER_YAML,
-        removed_on_failure,
-        run_demo_training,
-    )
+    from of3_megafold.demo.train import DEFAULT_RUNNER_YAML, removed_on_failure
+    from of3_megafold.parallel import launch
 
     output_dir = Path("outputs") / "demo" if output_dir is None else output_dir
     demo_yaml = DEFAULT_RUNNER_YAML
     demo = _overlaid(_load_runner_yaml(DEFAULT_RUNNER_YAML, None, None), overlays)
-    with _user_errors():  # before anything is written
+    with _user_errors():  # before anything is written or built
         check_model_update(demo)
+        world = launch.plan_world(demo, accelerator="auto")
     with _kit_errors():  # an unwritable cache is not the runner YAML's fault
-        dataset_dir = ensure_demo_dataset()
+        dataset_dir = ensure_demo_dataset()  # once, not by every rank
     _pin_deepspeed_accelerator()
     with _user_errors(), removed_on_failure(output_dir):
         if overlays:
             demo_yaml = _write_yaml(demo, output_dir / "runner.overlaid.yml")
-        run_demo_training(
+        launch.run_demo(  # one process per rank of the YAML's world
+            world,
             demo_yaml,
             output_dir,
             steps=steps,

@@ -16,6 +16,11 @@ per-step loss breakdown OF3 logs. It writes:
     wall time, and every loss component OF3 reported;
 ``<output_dir>/losses.png``
     one panel per loss component.
+
+In a run of several processes (``pl_trainer_args.devices``; the CLI starts them,
+:mod:`of3_megafold.parallel.launch`) rank 0 writes these files, with its own
+data-parallel replica's losses. The initial weights are drawn from
+``experiment_settings.seed``, so a run is repeatable.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import yaml
 
 from of3_megafold.demo.build import ensure_demo_dataset
 from of3_megafold.errors import KitConfigError, KitError, unwritable_cause
+from of3_megafold.parallel.launch import data_parallel_size, global_rank
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +301,9 @@ def resolve_runner_yaml(
     Replaces ``${OF3_MEGAFOLD_DEMO}`` with ``dataset_dir`` and
     ``${OF3_MEGAFOLD_OUTPUT}`` with ``output_dir``; sets ``pl_trainer_args``
     accelerator and precision from ``accelerator`` (:func:`resolve_device`);
-    ``steps`` becomes one epoch of ``steps`` samples (batch size 1 per device);
-    checkpoints keep their names on a rerun (no ``-v1`` copies).
+    ``steps`` becomes one epoch of ``steps`` samples per data-parallel replica
+    (batch size 1; an SP group is one replica); checkpoints keep their names on
+    a rerun (no ``-v1`` copies).
 
     Args:
         runner_yaml: the YAML; None for ``runner_yamls/demo.yml``.
@@ -342,10 +349,9 @@ def resolve_runner_yaml(
     if steps is not None:
         if steps < 1:
             raise KitConfigError(f"steps must be >= 1, got {steps}")
-        devices = int(trainer_args.get("devices", 1)) * int(
-            trainer_args.get("num_nodes", 1)
-        )
-        runner.setdefault("data_module_args", {})["epoch_len"] = steps * devices
+        # One sample per data-parallel replica (an SP group shares its sample).
+        replicas = data_parallel_size(runner)
+        runner.setdefault("data_module_args", {})["epoch_len"] = steps * replicas
         trainer_args["max_epochs"] = 1
     if seed is not None:
         runner.setdefault("experiment_settings", {})["seed"] = seed
@@ -449,8 +455,16 @@ def run_demo_training(
         data_seed=data_seed,
     )
     with removed_on_failure(output_dir):
-        result = _train(runner_dict, output_dir, Path(dataset_dir), progress)
-    _print_summary(result)
+        result = _train(
+            runner_dict,
+            output_dir,
+            Path(dataset_dir),
+            progress,
+            recorder=LossRecorder() if recorder is None else recorder,
+            callbacks=callbacks,
+        )
+    if global_rank() == 0:  # one process reports the run
+        _print_summary(result)
     return result
 
 
@@ -485,7 +499,9 @@ def seed_model_init(seed: int) -> None:
     starts, after the model's weights were drawn, so two runs with the same seed
     began from different weights. The output layers OF3 initialises to zero hid
     it for the first steps: the losses agreed until the first update with a
-    non-zero learning rate had reached the hidden layers, then drifted.
+    non-zero learning rate had reached the hidden layers, then drifted. Every
+    rank takes the same seed, so the ranks of a parallel run build the same
+    weights as one process does.
     """
     from openfold3.core.utils.callbacks import set_seed_for_rank
 
@@ -504,7 +520,12 @@ def _clear_checkpoints(output_dir: Path) -> None:
 
 
 def _train(
-    runner_dict: dict[str, Any], output_dir: Path, dataset_dir: Path, progress: bool
+    runner_dict: dict[str, Any],
+    output_dir: Path,
+    dataset_dir: Path,
+    progress: bool,
+    recorder: LossRecorder,
+    callbacks: Sequence[pl.Callback],
 ) -> dict[str, Any]:
     """OF3's training path on a resolved runner dict; the result of
     :func:`run_demo_training`."""
@@ -512,13 +533,14 @@ def _train(
     from openfold3.entry_points.import_utils import _configure_torch_backend
     from openfold3.entry_points.validator import TrainingExperimentConfig
 
-    _clear_checkpoints(output_dir)
     resolved_yaml = output_dir / RESOLVED_YAML_NAME
-    resolved_yaml.write_text(yaml.safe_dump(runner_dict, sort_keys=False))
+    writer = global_rank() == 0  # one process writes the run's files
+    if writer:
+        _clear_checkpoints(output_dir)
+        resolved_yaml.write_text(yaml.safe_dump(runner_dict, sort_keys=False))
 
     _configure_torch_backend()
     experiment_config = TrainingExperimentConfig.model_validate(runner_dict)
-    recorder = LossRecorder() if recorder is None else recorder
     start = time.perf_counter()
     device = runner_dict["pl_trainer_args"]["accelerator"]
     with _wandb_disabled(), _cpu_threads(device), warnings.catch_warnings():
@@ -543,12 +565,11 @@ def _train(
             checkpoint_callback.last_model_path or checkpoint_callback.best_model_path
         ) or None
 
-    losses_csv = write_losses_csv(recorder, output_dir / LOSSES_CSV_NAME)
-    losses_png = plot_losses(
-        recorder,
-        output_dir / LOSSES_PNG_NAME,
-        title=f"OF3 demo training ({device})",
-    )
+    losses_csv = output_dir / LOSSES_CSV_NAME
+    losses_png = output_dir / LOSSES_PNG_NAME
+    if writer:
+        write_losses_csv(recorder, losses_csv)
+        plot_losses(recorder, losses_png, title=f"OF3 demo training ({device})")
     problems = loss_problems(recorder.rows)
     if problems:
         logger.warning(

@@ -15,20 +15,23 @@ replicated path, one sample per rank):
 - every ``PairFormerStack`` (trunk and confidence head) runs
   :func:`of3_megafold.parallel.pairformer.sharded_pairformer_forward`: ``z`` rows
   sharded inside the stack, gathered at its exit;
-- each model forward runs under one RNG state shared by the group (seed drawn by the
-  group's first rank and broadcast), so everything outside the stack (input
-  embedder, template and MSA modules with their dropout, rollout) computes the same
-  values on every rank of the group, as the sharded stack requires;
+- each model forward runs on the group's first rank's generators (their states
+  broadcast; the first rank's run on as in one process, the others get theirs back
+  afterwards), so every random draw (the stacks' dropout masks, the template and
+  MSA modules' dropout, the rollout) is the draw one process would make, the same
+  on every rank of the group, as the sharded stack requires;
 - ``_train_diffusion`` runs this rank's share of the samples with its own noise
   (``average_over_sp`` on the trunk outputs), and the logged losses are averaged
   over the group, so they equal the full-sample mean;
 - the training sampler and the data workers' seeds use the data-parallel rank and
-  size, so all ranks of a group load the same sample.
+  size, so all ranks of a group load the same sample; OF3's rank-specific model
+  seed (``RankSpecificSeedCallback``) uses the data-parallel rank, so a group
+  draws what the same replica draws without sequence parallelism.
 
-Per-sample gradient clipping (OF3's default) clips each rank's gradient before the
-data-parallel average; under sequence parallelism a rank's gradient is only a part
-of its sample's, so the extension requires
-``settings.gradient_clipping.per_sample_clipping: false``.
+Per-sample gradient clipping (OF3's default) clips each sample's gradient before
+the data-parallel average; a rank's gradient is only part of its sample's, so
+each rank's gradient is first replaced by the SP group's mean, the sample's
+gradient (:mod:`of3_megafold.parallel.clipping`), and OF3 clips that.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import contextlib
 import inspect
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -176,10 +180,9 @@ def _patch_model_forward(original):
         group = _active_group(self)
         if group is None:
             return original(self, batch)
-        from of3_megafold.parallel.shards import shared_seed
+        from of3_megafold.parallel.rng import first_rank_generators
 
-        device = batch["token_mask"].device
-        with _seeded_rng(shared_seed(group, device), device, python=True):
+        with first_rank_generators(group, batch["token_mask"].device):
             return original(self, batch)
 
     return forward
@@ -238,6 +241,31 @@ def _patch_loss(original):
     return loss
 
 
+def _patch_clip_and_accumulate(original):
+    def clip_and_accumulate(self, *args, **kwargs):
+        from of3_megafold.parallel.clipping import average_gradients_over_sp
+        from of3_megafold.parallel.groups import sp_group
+
+        # The sample's gradient (the group's mean) is what OF3 must clip.
+        average_gradients_over_sp(self._params_to_update, sp_group())
+        return original(self, *args, **kwargs)
+
+    return clip_and_accumulate
+
+
+def _patch_seed_callback_setup(original):
+    def setup(self, trainer, pl_module, stage):
+        size = _STATE.configured_size
+        if size == 1:
+            return original(self, trainer, pl_module, stage)
+        # Seeded as the data-parallel rank: a group's first rank then draws what
+        # the same replica draws without sequence parallelism.
+        dp_view = SimpleNamespace(global_rank=trainer.global_rank // size)
+        return original(self, dp_view, pl_module, stage)
+
+    return setup
+
+
 def _patch_rank_property(original: property) -> property:
     def getter(self):
         value = original.fget(self)
@@ -283,13 +311,6 @@ def _validate(config: Any) -> None:
         raise KitConfigError(f"{SIZE_KEY.yaml_path}: {size!r}; use an integer >= 1")
     if size == 1:
         return
-    if config.settings.gradient_clipping.per_sample_clipping:
-        raise KitConfigError(
-            f"{SIZE_KEY.yaml_path}: {size} needs "
-            "model_update.custom.settings.gradient_clipping.per_sample_clipping: "
-            "false (a rank's gradient is only part of its sample's); OF3 then "
-            "clips the averaged gradient at settings.gradient_clipping.clip_val"
-        )
     no_samples = config.architecture.shared.diffusion.no_samples
     if SPLIT_KEY.read(config) and no_samples % size:
         raise KitConfigError(
@@ -310,12 +331,7 @@ EXTENSION = registry.register(
         keys=(SIZE_KEY, SPLIT_KEY),
         requested=_requested,
         min_processes=2,
-        enable_update={
-            "settings": {
-                "sequence_parallel_size": 2,
-                "gradient_clipping": {"per_sample_clipping": False},
-            }
-        },
+        enable_update={"settings": {"sequence_parallel_size": 2}},
         device_check=_torch_distributed,
         patches=(
             registry.Patch(f"{_MODEL}.__init__", _patch_model_init),
@@ -327,6 +343,15 @@ EXTENSION = registry.register(
             ),
             registry.Patch(
                 "openfold3.core.loss.loss_module:OpenFold3Loss.loss", _patch_loss
+            ),
+            registry.Patch(
+                "openfold3.core.utils.grad_manager:PerSampleGradManager."
+                "clip_and_accumulate",
+                _patch_clip_and_accumulate,
+            ),
+            registry.Patch(
+                "openfold3.core.utils.callbacks:RankSpecificSeedCallback.setup",
+                _patch_seed_callback_setup,
             ),
             registry.Patch(f"{_DATA_MODULE}.global_rank", _patch_rank_property),
             registry.Patch(f"{_DATA_MODULE}.world_size", _patch_rank_property),

@@ -26,6 +26,8 @@ function                    forward                 backward
 ``gather_from_sp``          shard -> replicated     local slice, multiply by P
 ``gather_for_local_use``    shard -> full, used     reduce-scatter (sum)
                             for local rows only
+``start_gather_for_local``  the same, launched      the same
+``_use`` + ``.wait()``      now, completed later
 ``swap_shard_axis``         all_to_all              inverse all_to_all
 ``average_over_sp``         identity                all-reduce mean
 ==========================  ======================  ==============================
@@ -196,6 +198,59 @@ def gather_for_local_use(x: torch.Tensor, dim: int, group: Group) -> torch.Tenso
     if group_size(group) == 1:
         return x
     return _GatherForLocalUse.apply(x, dim, group)
+
+
+class _StartGatherForLocalUse(torch.autograd.Function):
+    """``gather_for_local_use`` split in two: the forward launches the all-gather
+    and returns the P parts it is filling; :meth:`PendingGather.wait` completes it.
+    The backward is the same reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, pending):
+        ctx.dim, ctx.group = dim, group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(group_size(group))]
+        pending.work = dist.all_gather(parts, x, group=group, async_op=True)
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = torch.cat(grads, dim=ctx.dim)
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+
+
+class PendingGather:
+    """An all-gather in flight (:func:`start_gather_for_local_use`).
+
+    Its parts must not be read before :meth:`wait`; compute that does not need
+    them can run meanwhile.
+    """
+
+    def __init__(self, x: torch.Tensor, dim: int, group: Group) -> None:
+        self.work = None
+        self._dim = dim
+        if group_size(group) == 1:
+            self._parts = (x,)
+        else:
+            self._parts = _StartGatherForLocalUse.apply(x, dim, group, self)
+
+    def wait(self) -> torch.Tensor:
+        """The gathered tensor, as :func:`gather_for_local_use` returns it."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if len(self._parts) == 1:
+            return self._parts[0]
+        return torch.cat(self._parts, dim=self._dim)
+
+
+def start_gather_for_local_use(
+    x: torch.Tensor, dim: int, group: Group
+) -> PendingGather:
+    """:func:`gather_for_local_use`, asynchronous: launch it now, ``.wait()`` for
+    the result. The values and gradients are those of the synchronous call; the
+    difference is that compute issued between the two overlaps the transfer."""
+    return PendingGather(x, dim, group)
 
 
 def swap_shard_axis(

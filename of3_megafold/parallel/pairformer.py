@@ -35,9 +35,11 @@ from of3_megafold.parallel.comm import (
     gather_for_local_use,
     gather_from_sp,
     scatter_to_sp,
+    start_gather_for_local_use,
     swap_shard_axis,
 )
-from of3_megafold.parallel.shards import TokenShards, shared_seed
+from of3_megafold.parallel.rng import adopt_first_rank_generators
+from of3_megafold.parallel.shards import TokenShards
 
 
 def _projections(module, z: torch.Tensor, mask: torch.Tensor):
@@ -74,13 +76,20 @@ def sharded_triangle_multiplication(
     mask = mask.unsqueeze(-1)
     z = module.layer_norm_in(z)
     a, b = _projections(module, z, mask)
+    # The gather is in flight while the output gate, which does not need it, is
+    # computed (the same ops as OF3's, in another order: the same values).
     if module._outgoing:
-        b = gather_for_local_use(b, -3, shards.group)
+        pending = start_gather_for_local_use(b, -3, shards.group)
     else:
-        a = gather_for_local_use(a, -2, shards.group)
+        pending = start_gather_for_local_use(a, -2, shards.group)
+    gate = module.sigmoid(module.linear_g(z))
+    if module._outgoing:
+        b = pending.wait()
+    else:
+        a = pending.wait()
     x = module._combine_projections(a, b)
     x = module.linear_z(module.layer_norm_out(x))
-    return x * module.sigmoid(module.linear_g(z))
+    return x * gate
 
 
 def sharded_triangle_attention(
@@ -181,7 +190,6 @@ def sharded_pairformer_block(
     single_mask: torch.Tensor,
     pair_mask: torch.Tensor,
     shards: TokenShards,
-    block_index: int,
     chunk_size: int | None = None,
     use_deepspeed_evo_attention: bool = False,
     use_cueq_triangle_kernels: bool = False,
@@ -198,8 +206,7 @@ def sharded_pairformer_block(
         z: ``[*, N_pad/P, N_pad, C_z]`` this rank's rows.
         single_mask: ``[*, N_pad]``, pair_mask ``[*, N_pad, N_pad]``: replicated,
             padding tokens 0.
-        shards: the token split (and this forward's dropout seed).
-        block_index: the block's position in the stack (selects dropout masks).
+        shards: the token split.
         chunk_size, use_*, _mask_trans, _attn_chunk_size: OF3's block arguments.
 
     Returns:
@@ -219,26 +226,22 @@ def sharded_pairformer_block(
         use_lma=use_lma,
     )
 
-    def dropout(update, op):
-        return shards.rowwise_dropout(
-            pair.ps_dropout_row_layer, update, block_index, op
-        )
+    def dropout(update):
+        return shards.rowwise_dropout(pair.ps_dropout_row_layer, update)
 
     update = sharded_triangle_multiplication(pair.tri_mul_out, z, rows_mask, shards)
-    z = z + dropout(update, 0)
+    z = z + dropout(update)
     z = swap_shard_axis(z, -3, -2, group)
     update = sharded_triangle_multiplication(pair.tri_mul_in, z, cols_mask, shards)
-    z = z + dropout(update, 1)
+    z = z + dropout(update)
     z = swap_shard_axis(z, -2, -3, group)
-    z = z + dropout(
-        attention(pair.tri_att_start, z, rows_mask, transpose_bias=False), 2
-    )
+    z = z + dropout(attention(pair.tri_att_start, z, rows_mask, transpose_bias=False))
     # OF3 runs the ending node on z^T; this rank's columns of z are rows of z^T.
     z_t = swap_shard_axis(z, -3, -2, group).transpose(-2, -3)
     update = attention(
         pair.tri_att_end, z_t, cols_mask.transpose(-1, -2), transpose_bias=True
     )
-    z_t = z_t + dropout(update, 3)
+    z_t = z_t + dropout(update)
     z = swap_shard_axis(z_t.transpose(-2, -3), -2, -3, group)
     z = z + pair.pair_transition(
         z, mask=rows_mask if _mask_trans else None, chunk_size=chunk_size
@@ -269,7 +272,9 @@ def sharded_pairformer_forward(
 
     Pads the token axis to a multiple of the group size, scatters ``z`` rows on
     entry, runs the blocks sharded, gathers ``z`` and cuts the padding on exit. In
-    training mode the group's first rank draws one dropout seed for the forward.
+    training mode with dropout, every rank first takes the group's first rank's
+    torch generators (:mod:`~of3_megafold.parallel.rng`), so the ranks draw the
+    masks one process would.
 
     Args:
         blocks: OF3 ``PairFormerBlock`` modules, in order.
@@ -284,8 +289,9 @@ def sharded_pairformer_forward(
     Returns:
         ``s [*, N, C_s]`` and ``z [*, N, N, C_z]``, replicated.
     """
-    seed = shared_seed(group, z.device) if _uses_dropout(blocks) else None
-    shards = TokenShards.for_tokens(z.shape[-2], group, seed)
+    if _uses_dropout(blocks):
+        adopt_first_rank_generators(group, z.device)
+    shards = TokenShards.for_tokens(z.shape[-2], group)
     s = shards.pad(s, (-2,))
     z = scatter_to_sp(shards.pad(z, (-3, -2)), -3, group)
     single_mask = shards.pad(single_mask, (-1,))
@@ -297,10 +303,9 @@ def sharded_pairformer_forward(
             single_mask=single_mask,
             pair_mask=pair_mask,
             shards=shards,
-            block_index=index,
             **block_kwargs,
         )
-        for index, block in enumerate(blocks)
+        for block in blocks
     ]
     if run_blocks is None:
         for fn in block_fns:

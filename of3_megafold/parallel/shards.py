@@ -1,4 +1,4 @@
-"""The token axis split across an SP group: padding, local slices, shared dropout.
+"""The token axis split across an SP group: padding, local slices, dropout.
 
 At the entry of a sharded stack the token count ``N`` is padded to ``N_pad``, a
 multiple of the SP size P; each rank then holds rows ``[rank * N_pad / P, (rank + 1)
@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from of3_megafold.parallel.comm import Group, group_rank, group_size
@@ -29,21 +28,16 @@ class TokenShards:
         group: the SP group (``None``: one rank, nothing split).
         n_tokens: ``N``, the real token count.
         n_padded: ``N_pad``, ``N`` rounded up to a multiple of the group size.
-        dropout_seed: seed of this forward's shared dropout masks (``None`` when no
-            dropout mask is drawn, e.g. in eval mode).
     """
 
     group: Group
     n_tokens: int
     n_padded: int
-    dropout_seed: int | None = None
 
     @classmethod
-    def for_tokens(
-        cls, n_tokens: int, group: Group, dropout_seed: int | None = None
-    ) -> TokenShards:
+    def for_tokens(cls, n_tokens: int, group: Group) -> TokenShards:
         size = group_size(group)
-        return cls(group, n_tokens, -(-n_tokens // size) * size, dropout_seed)
+        return cls(group, n_tokens, -(-n_tokens // size) * size)
 
     @property
     def size(self) -> int:
@@ -87,43 +81,28 @@ class TokenShards:
         return bias
 
     def rowwise_dropout(
-        self, dropout: torch.nn.Module, x: torch.Tensor, block: int, op: int
+        self, dropout: torch.nn.Module, x: torch.Tensor
     ) -> torch.Tensor:
-        """OF3's ``DropoutRowwise`` with a mask shared across the SP group.
+        """OF3's ``DropoutRowwise`` with the mask one process would draw.
 
         The mask ``[*, 1, N, C]`` (shared along dim -3, as OF3's) is drawn for the
-        real ``N`` tokens from a generator seeded with ``dropout_seed`` and the
-        ``(block, op)`` position, so every rank of the group draws the same mask and
-        activation-checkpoint recomputation draws it again unchanged (a single
-        process with the same seed draws the same mask whatever the SP size). The
-        mask is 0 on padding positions, which are masked and cut off anyway. A rank
-        whose ``x`` holds a column shard (``x.shape[-2] < N_pad``) takes its columns
-        of the mask.
+        real ``N`` tokens exactly as OF3's module draws it (its ``nn.Dropout`` on
+        ones, from torch's default generator), so with the group on its first
+        rank's generators (:mod:`of3_megafold.parallel.rng`) every rank draws the
+        one-process mask, and activation-checkpoint recomputation (which restores
+        the generator) draws it again. The mask is 0 on padding positions, which
+        are masked and cut off anyway. A rank whose ``x`` holds a column shard
+        (``x.shape[-2] < N_pad``) takes its columns of the mask.
 
         Args:
-            dropout: OF3's ``DropoutRowwise`` (its rate ``r`` and ``training``).
+            dropout: OF3's ``DropoutRowwise`` (its rate ``r``, ``training`` and
+                ``nn.Dropout``).
             x: ``[*, I, J, C]`` with ``J`` either ``N_pad`` or ``N_pad / P``.
-            block, op: position of this dropout in the stack (op in 0..3).
         """
-        if not dropout.training or dropout.r == 0:
+        if not dropout.training:
             return x
-        if self.dropout_seed is None:
-            raise RuntimeError("training-mode dropout needs TokenShards.dropout_seed")
-        generator = torch.Generator(device=x.device)
-        generator.manual_seed((self.dropout_seed + 4 * block + op) % 2**63)
         shape = (*x.shape[:-3], 1, self.n_tokens, x.shape[-1])
-        keep = torch.empty(shape, device=x.device, dtype=x.dtype)
-        keep.bernoulli_(1 - dropout.r, generator=generator)
-        mask = self.pad(keep / (1 - dropout.r), (-2,))
+        mask = self.pad(dropout.dropout(x.new_ones(shape)), (-2,))
         if x.shape[-2] != self.n_padded:
             mask = self.local(mask, -2)
         return x * mask
-
-
-def shared_seed(group: Group, device: torch.device) -> int:
-    """A fresh seed drawn by the group's first rank (from torch's default generator)
-    and broadcast to the group: one collective per forward."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
-    if group_size(group) > 1:
-        dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
-    return int(seed.item())

@@ -60,6 +60,28 @@ def _check_gather_for_local_use(rank, p, group, rand):
     _close(x.grad, p * ref.grad.chunk(p, 1)[rank], "gather_for_local_use backward")
 
 
+def _check_async_gather_is_the_gather(rank, p, group, rand):
+    """The split gather gives the synchronous one's bits, forward and backward,
+    with compute issued while it is in flight."""
+    full = rand(2, 3 * p, 7)
+    weights = rand(p, 2, 3 * p, 7)
+    results = []
+    for start in (True, False):
+        x = full.chunk(p, 1)[rank].clone().requires_grad_()
+        if start:
+            pending = comm.start_gather_for_local_use(x, 1, group)
+            independent = (x * 2).exp().sum()  # runs while the gather is in flight
+            y = pending.wait()
+        else:
+            independent = (x * 2).exp().sum()
+            y = comm.gather_for_local_use(x, 1, group)
+        (p * (y.tanh() * weights[rank]).sum() + independent).backward()
+        results.append((y.detach(), x.grad))
+    (y_async, grad_async), (y_sync, grad_sync) = results
+    assert torch.equal(y_async, y_sync), "async gather forward"
+    assert torch.equal(grad_async, grad_sync), "async gather backward"
+
+
 def _check_swap(rank, p, group, rand):
     full = rand(2, 3 * p, 2 * p, 5)
     weights = rand(p, 2, 3 * p, 2, 5)
@@ -99,6 +121,7 @@ def _collectives_body(rank, world_size, seed):
         _check_scatter,
         _check_gather,
         _check_gather_for_local_use,
+        _check_async_gather_is_the_gather,
         _check_swap,
         _check_average,
     ):
@@ -119,6 +142,7 @@ def test_no_group_is_identity():
         assert op(x, 0, None) is x
     assert comm.swap_shard_axis(x, 0, 1, None) is x
     assert comm.average_over_sp(x, None) is x
+    assert comm.start_gather_for_local_use(x, 0, None).wait() is x
 
 
 def _groups_body(rank, world_size):

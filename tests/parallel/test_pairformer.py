@@ -6,9 +6,9 @@ pair masks with zeros), fp32:
 - eval mode: outputs, input gradients and world-averaged parameter gradients
   equal OF3's single-process ``PairFormerBlock``;
 - train mode with dropout, rank-specific default generators: outputs and gradients
-  equal the same sharded code on one process seeded as rank 0 (so every rank drew
-  rank 0's masks and sliced them right), and differ from eval mode (the dropout
-  ran).
+  equal the same sharded code on one process seeded as rank 0 (so every rank took
+  rank 0's generator, drew its masks and sliced them right), and differ from eval
+  mode (the dropout ran).
 """
 
 import copy
@@ -141,8 +141,8 @@ def _block_body(rank, world_size, seed):
     assert_close(world_average(par), par_ref, GRAD_TOL, "parameter gradients")
 
     # Train mode, dropout on, two blocks, each rank's default generator in its own
-    # state: the group uses rank 0's seed, so the masks are those one process
-    # draws from rank 0's state.
+    # state: the group takes rank 0's generator, so the masks are those one
+    # process draws from rank 0's state.
     blocks = [make_block(seed + i, pair_dropout=0.25).train() for i in range(2)]
     single = copy.deepcopy(blocks)
     torch.manual_seed(seed + rank)

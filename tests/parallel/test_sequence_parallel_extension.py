@@ -157,12 +157,9 @@ def test_config_checks(kit):
     extension = registry.get("sequence_parallel")
     extension.check_config(_model_config())
     assert not extension.requested(_model_config())
-    with pytest.raises(KitConfigError, match="per_sample_clipping"):
-        extension.check_config(_model_config(**{"settings.sequence_parallel_size": 2}))
-    ok = {
-        "settings.sequence_parallel_size": 2,
-        "settings.gradient_clipping.per_sample_clipping": False,
-    }
+    # OF3's per-sample clipping (its default) is allowed: the sample's gradient is
+    # assembled over the group first (test_sequence_parallel_clipping.py).
+    ok = {"settings.sequence_parallel_size": 2}
     extension.check_config(_model_config(**ok))
     with pytest.raises(KitConfigError, match="do not split evenly over 5 ranks"):
         extension.check_config(
