@@ -102,7 +102,7 @@ def test_block_module_unwraps_partials():
     # the sequence-parallel pairformer's form: a function taking the block first
     from of3_megafold.parallel.pairformer import sharded_pairformer_block
 
-    sharded = functools.partial(sharded_pairformer_block, linear, block_index=0)
+    sharded = functools.partial(sharded_pairformer_block, linear, chunk_size=None)
     assert checkpoint_offload.block_module(sharded) is linear
     assert checkpoint_offload.block_module(functools.partial(print, 1)) is None
 
