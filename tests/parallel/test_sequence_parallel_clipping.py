@@ -64,7 +64,7 @@ def _rank_body(rank, world_size, out_dir, average, steps):
     model, _ = sp_model.build(world_size, False, 2, SETTINGS)
     module = OpenFold3AllAtom(model.config)
     module.model.load_state_dict(model.state_dict())
-    module.model.synced_generator = step._FixedRecycles(sp_model.RECYCLES)
+    module.model.synced_generator = step.FixedRecycles(sp_model.RECYCLES)
 
     def configure_optimizers():
         sgd = torch.optim.SGD(module.parameters(), lr=LR)
