@@ -220,6 +220,27 @@ def test_sequence_parallel_averages_before_the_foreach_clip(kit):
     )
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_key_from_a_runner_config_reaches_the_model(kit, on):
+    """The key set in ``model_update.custom`` as a user sets it, read through the
+    memory settings the kit attaches to a model; ``eval`` has no such key."""
+    from openfold3.projects.of3_all_atom.project_entry import (
+        ModelUpdate,
+        OF3ProjectEntry,
+    )
+
+    custom = {"settings": {"memory": {"train": {foreach_loop.FLAG: on}}}}
+    config = OF3ProjectEntry().get_model_config_with_update(
+        ModelUpdate(presets=["train"], custom=custom)
+    )
+    assert foreach_loop.FLAG not in config.settings.memory.eval
+    model = _model()
+    for module in model.modules():
+        object.__setattr__(module, registry.MEMORY_ATTR, config.settings.memory)
+    assert foreach_loop._enabled(model.eval()) is on
+    assert registry.get(foreach_loop.NAME).requested(config) is on
+
+
 def test_key_off_or_no_settings_is_of3s_path(kit):
     model = _model()
     assert not foreach_loop._enabled(model)
