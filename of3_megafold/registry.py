@@ -345,16 +345,22 @@ def keys_markdown(extensions: tuple[Extension, ...] | None = None) -> str:
     """The runner-YAML keys of ``extensions`` (default: every registered one) as a
     Markdown table for the README: key under ``model_update.custom``, default,
     extension, help. A memory flag's ``train`` and ``eval`` keys share one row,
-    ``settings.memory.{train,eval}.<flag>``."""
+    ``settings.memory.{train,eval}.<flag>``; a flag of one mode only keeps its
+    own path."""
     lines = [
         "| key (under `model_update.custom`) | default | extension | what it does |",
         "|---|---|---|---|",
     ]
     seen: set[str] = set()
     for ext in tuple(EXTENSIONS.values()) if extensions is None else extensions:
+        memory = [k for k in ext.keys
+                  if k.path[:2] == ("settings", "memory") and k.path[2] in MEMORY_MODES]
+        modes: dict[tuple[str, ...], set[str]] = {}
+        for key in memory:
+            modes.setdefault(key.path[3:], set()).add(key.path[2])
         for key in ext.keys:
             name, help = key.dotted, key.help
-            if key.path[:2] == ("settings", "memory") and key.path[2] in MEMORY_MODES:
+            if key in memory and modes[key.path[3:]] == set(MEMORY_MODES):
                 name = "settings.memory.{train,eval}." + ".".join(key.path[3:])
                 help = help.removeprefix(f"{key.path[2]}: ")
             if name in seen:
