@@ -16,6 +16,8 @@ optimizer step::
     optimizer_ms  Adam step, learning-rate schedule, OF3's logging
     ema_ms        OF3's EMA update
     peak_gib      peak GPU memory of the step
+    sample        the structure and chain/interface the step trained on
+                  (``<pdb_id>/<chain or interface>``, e.g. ``1ab2/1_2``)
     loss, grad_norm and every loss component OF3 logged
 
 ``grad_norm`` is the sample's unclipped gradient norm as OF3's per-sample clipping
@@ -57,7 +59,7 @@ from of3_megafold.bench.common import (
     environment_metadata,
     read_rows,
 )
-from of3_megafold.demo.train import LossRecorder
+from of3_megafold.demo.train import LossRecorder, batch_sample
 from of3_megafold.errors import KitConfigError, KitError
 
 JSON_NAME = "train_run.json"
@@ -123,6 +125,7 @@ class TrainStepTimer(LossRecorder):
         self._previous_end = 0.0
         self._batch_start = 0.0
         self._grad_norm: torch.Tensor | None = None
+        self._sample = ""
         self._restore: list[tuple[Any, str, Any]] = []
 
     # -- installation ---------------------------------------------------------
@@ -186,6 +189,8 @@ class TrainStepTimer(LossRecorder):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._batch_start = time.perf_counter()
         self._grad_norm = None
+        sample = batch_sample(batch)
+        self._sample = f"{sample['pdb_id']}/{sample['sampled']}"
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
         self._marks = _Marks(self._cuda)
@@ -219,6 +224,7 @@ class TrainStepTimer(LossRecorder):
         }
         row = {
             "step": trainer.global_step,
+            "sample": self._sample,
             "wall_ms": _round((end - self._previous_end) * 1e3),
             "data_wait_ms": _round((self._batch_start - self._previous_end) * 1e3),
             **phases,

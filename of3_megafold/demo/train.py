@@ -150,11 +150,7 @@ class LossRecorder(pl.Callback):
         self.rows.append(
             {
                 "step": trainer.global_step,
-                "pdb_id": ",".join(batch.get("pdb_id", [])),
-                "sampled": ",".join(
-                    _datapoint_id(x)
-                    for x in batch.get("preferred_chain_or_interface", [])
-                ),
+                **batch_sample(batch),
                 "seconds": round(time.perf_counter() - self._step_start, 3),
                 **self._logged,
             }
@@ -167,6 +163,21 @@ class LossRecorder(pl.Callback):
 
 
 _ROW_META = ("step", "pdb_id", "sampled", "seconds")
+
+
+def batch_sample(batch: Any) -> dict[str, str]:
+    """The structures a training batch was cropped from.
+
+    Returns:
+        ``pdb_id`` (the batch's PDB ids, comma-separated) and ``sampled`` (the
+        chain or interface OF3's sampler picked in each, as dataset-cache ids).
+    """
+    return {
+        "pdb_id": ",".join(batch.get("pdb_id", [])),
+        "sampled": ",".join(
+            _datapoint_id(x) for x in batch.get("preferred_chain_or_interface", [])
+        ),
+    }
 
 
 def _datapoint_id(sampled: str) -> str:

@@ -55,6 +55,8 @@ def test_quick_run_writes_one_row_per_step(quick_run):
         assert math.isfinite(row["loss"]) and row["loss"] > 0
         assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
         assert row["peak_gib"] is None  # no allocator statistics on the CPU
+        pdb_id, _, chain = row["sample"].partition("/")
+        assert pdb_id and chain, row["sample"]
     assert (out_dir / bench_train.PLOT_NAME).stat().st_size > 0
     assert "stock" in output and "kit" in output
 
@@ -159,3 +161,32 @@ def test_latest_runs_and_summary_table(tmp_path):
     assert "0.50" in kit_line and "1.0%" in kit_line  # median s; loss gap 1%
     path = bench_train.plot_runs(rows, tmp_path / "plot.png")
     assert path.stat().st_size > 0
+
+
+def test_a_repeat_in_the_same_process_trains_on_the_same_samples(
+    tmp_path, demo_dataset
+):
+    """``bench train`` runs providers in turn in one process: a second run with the
+    same seeds must see the same samples, in the same order, and (same provider,
+    same weights) the same losses, so that runs compare step by step."""
+    from of3_megafold import activate
+    from of3_megafold.demo.train import DEFAULT_RUNNER_YAML
+
+    activate()
+    out = tmp_path / bench_train.JSON_NAME
+    runs = [
+        bench_train.run_train_bench(
+            "stock",
+            48,
+            2,
+            out,
+            runner_yaml=DEFAULT_RUNNER_YAML,
+            label=label,
+            dataset_dir=demo_dataset,
+            accelerator="cpu",
+        )
+        for label in ("", "repeat")
+    ]
+    first, repeat = ([(row["sample"], row["loss"]) for row in rows] for rows in runs)
+    assert len(first) == 2 and len({sample for sample, _ in first}) == 2
+    assert repeat == first
