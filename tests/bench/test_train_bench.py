@@ -9,10 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from of3_megafold.bench import train as bench_train
+from of3_megafold.bench import train_report
 from of3_megafold.bench.common import read_rows
 from of3_megafold.errors import KitError
 
-PHASE_FIELDS = [f"{phase}_ms" for phase in bench_train.PHASES]
+PHASE_FIELDS = [f"{phase}_ms" for phase in train_report.PHASES]
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +118,8 @@ def _row(provider, n_token, step, *, run=None, label=None, date="2026-01-01", **
 
 
 def test_moving_average_is_a_trailing_mean():
-    assert bench_train.moving_average([1, 2, 3, 4], window=2) == [1, 1.5, 2.5, 3.5]
-    assert bench_train.moving_average([4.0], window=10) == [4.0]
+    assert train_report.moving_average([1, 2, 3, 4], window=2) == [1, 1.5, 2.5, 3.5]
+    assert train_report.moving_average([4.0], window=10) == [4.0]
 
 
 def test_max_relative_gap_compares_smoothed_curves_after_the_warm_up():
@@ -130,21 +131,22 @@ def test_max_relative_gap_compares_smoothed_curves_after_the_warm_up():
         _row("kit", 384, s, loss=3.0 if s == 3 else 3.0 if s == 15 else 2.0)
         for s in steps
     ]
-    gap = bench_train.max_relative_gap(kit, reference, "loss")
+    gap = train_report.max_relative_gap(kit, reference, "loss")
     assert gap == pytest.approx(0.05)
-    assert bench_train.max_relative_gap(kit[:5], reference[10:], "loss") is None
+    assert train_report.max_relative_gap(kit[:5], reference[10:], "loss") is None
 
 
 def test_steady_summary_counts_from_the_steady_step():
     rows = [_row("kit", 384, 1, wall_ms=60_000.0, data_wait_ms=50_000.0)]
     rows += [_row("kit", 384, s, wall_ms=1000.0 + s) for s in range(2, 12)]
-    summary = bench_train.steady_summary(rows)
-    assert summary["steps"] == 12 - bench_train.STEADY_FROM
+    summary = train_report.steady_summary(rows)
+    assert summary["steps"] == 12 - train_report.STEADY_FROM
     assert summary["median_ms"] == pytest.approx(1008.5)
     shares = summary["shares"]
     assert shares["data_wait"] == 0.0
-    assert shares["forward_backward"] == pytest.approx(800 * 6 / sum(
-        1000.0 + s for s in range(6, 12)))
+    assert shares["forward_backward"] == pytest.approx(
+        800 * 6 / sum(1000.0 + s for s in range(6, 12))
+    )
     assert sum(shares.values()) == pytest.approx(1.0)
 
 
@@ -154,12 +156,12 @@ def test_latest_runs_and_summary_table(tmp_path):
     kit = [_row("kit", 384, s, loss=2.02, wall_ms=500.0) for s in range(1, 13)]
     repeat = [_row("stock-triton", 384, s, label="repeat") for s in range(1, 13)]
     rows = old + new + kit + repeat
-    runs = bench_train.latest_runs(rows)
+    runs = train_report.latest_runs(rows)
     assert runs[("stock-triton", None, 384)][0]["date"] == "2026-02-01"
-    table = bench_train.format_summary(rows)
+    table = train_report.format_summary(rows)
     kit_line = next(line for line in table.splitlines() if line.startswith("kit"))
     assert "0.50" in kit_line and "1.0%" in kit_line  # median s; loss gap 1%
-    path = bench_train.plot_runs(rows, tmp_path / "plot.png")
+    path = train_report.plot_runs(rows, tmp_path / "plot.png")
     assert path.stat().st_size > 0
 
 
