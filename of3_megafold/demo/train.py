@@ -43,6 +43,7 @@ import yaml
 
 from of3_megafold.demo.build import ensure_demo_dataset
 from of3_megafold.errors import KitConfigError, KitError, unwritable_cause
+from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
 from of3_megafold.parallel.launch import data_parallel_size, global_rank
 
 logger = logging.getLogger(__name__)
@@ -562,6 +563,7 @@ def _train(
         runner = TrainingExperimentRunner(experiment_config)
         seed_model_init(experiment_config.experiment_settings.seed)
         runner.setup()
+        use_cpu_deepspeed(runner)
         # Before run(): OF3 builds the Trainer from this (cached) list there.
         runner.callbacks.extend([recorder, *callbacks])
         if not progress:
