@@ -525,10 +525,14 @@ def _clear_checkpoints(output_dir: Path) -> None:
 
     Every demo run starts from fresh weights, so its checkpoints replace the last
     run's rather than sitting beside them (Lightning would name the new ones
-    ``last-v1.ckpt``, ``demo-step20-v1.ckpt``, ...).
+    ``last-v1.ckpt``, ``demo-step20-v1.ckpt``, ...). Under DeepSpeed a checkpoint
+    is a folder.
     """
     for checkpoint in (output_dir / CHECKPOINTS_DIR).glob("*.ckpt"):
-        checkpoint.unlink()
+        if checkpoint.is_dir() and not checkpoint.is_symlink():
+            shutil.rmtree(checkpoint)
+        else:
+            checkpoint.unlink()
 
 
 def _train(
