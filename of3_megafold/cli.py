@@ -148,7 +148,13 @@ def main() -> None:
 
 
 def _overlaid(base: dict, overlays: tuple[Path, ...]) -> dict:
-    """Deep-merge overlay YAMLs (e.g. ``runner_yamls/all_on.yml``) onto a runner."""
+    """Deep-merge overlay YAMLs (e.g. ``runner_yamls/all_on.yml``) onto a runner.
+
+    A relative ``pl_trainer_args.deepspeed_config_path`` in an overlay names a
+    file next to the overlay (``runner_yamls/sp_cpu2_zero2.yml`` ships its
+    DeepSpeed JSON beside it); it is made absolute here, so it holds from any
+    working directory and in the merged YAML the run writes.
+    """
     from openfold3.core.config import config_utils
 
     for overlay in overlays:
@@ -156,8 +162,19 @@ def _overlaid(base: dict, overlays: tuple[Path, ...]) -> dict:
             extra = config_utils.load_yaml(overlay)
         if not isinstance(extra, dict):
             raise click.ClickException(f"{overlay}: not a YAML mapping")
+        _resolve_next_to(extra, Path(overlay).resolve().parent)
         config_utils.deep_update(base, extra)
     return base
+
+
+def _resolve_next_to(overlay: dict, folder: Path) -> None:
+    """An overlay's relative ``deepspeed_config_path``, made absolute in ``folder``."""
+    trainer_args = overlay.get("pl_trainer_args")
+    if not isinstance(trainer_args, dict):
+        return
+    config_path = trainer_args.get("deepspeed_config_path")
+    if isinstance(config_path, str) and not Path(config_path).is_absolute():
+        trainer_args["deepspeed_config_path"] = str(folder / config_path)
 
 
 def check_model_update(runner: dict) -> None:
@@ -238,6 +255,7 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
     from openfold3.run_openfold import _configure_torch_backend
 
     from of3_megafold.demo.train import seed_model_init
+    from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
 
     _configure_torch_backend()
     runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
@@ -256,6 +274,7 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
     seed_model_init(expt_config.experiment_settings.seed)
     with _kit_errors():  # e.g. a damaged feature-store entry met in a worker
         expt_runner.setup()
+        use_cpu_deepspeed(expt_runner)
         expt_runner.run()
 
 

@@ -43,6 +43,7 @@ import yaml
 
 from of3_megafold.demo.build import ensure_demo_dataset
 from of3_megafold.errors import KitConfigError, KitError, unwritable_cause
+from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
 from of3_megafold.parallel.launch import data_parallel_size, global_rank
 
 logger = logging.getLogger(__name__)
@@ -524,10 +525,14 @@ def _clear_checkpoints(output_dir: Path) -> None:
 
     Every demo run starts from fresh weights, so its checkpoints replace the last
     run's rather than sitting beside them (Lightning would name the new ones
-    ``last-v1.ckpt``, ``demo-step20-v1.ckpt``, ...).
+    ``last-v1.ckpt``, ``demo-step20-v1.ckpt``, ...). Under DeepSpeed a checkpoint
+    is a folder.
     """
     for checkpoint in (output_dir / CHECKPOINTS_DIR).glob("*.ckpt"):
-        checkpoint.unlink()
+        if checkpoint.is_dir() and not checkpoint.is_symlink():
+            shutil.rmtree(checkpoint)
+        else:
+            checkpoint.unlink()
 
 
 def _train(
@@ -562,6 +567,7 @@ def _train(
         runner = TrainingExperimentRunner(experiment_config)
         seed_model_init(experiment_config.experiment_settings.seed)
         runner.setup()
+        use_cpu_deepspeed(runner)
         # Before run(): OF3 builds the Trainer from this (cached) list there.
         runner.callbacks.extend([recorder, *callbacks])
         if not progress:

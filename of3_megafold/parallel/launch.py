@@ -19,8 +19,8 @@ rank (:func:`run_ranks`):
   the run with its error.
 
 A world that cannot work (size not a multiple of the SP size, no backend for the
-accelerator, more GPUs per node than the machine has, DeepSpeed on CPU or with
-OF3's per-sample clipping) raises
+accelerator, more GPUs per node than the machine has, a DeepSpeed config that
+cannot be read, DeepSpeed with OF3's per-sample clipping) raises
 :class:`~of3_megafold.errors.KitConfigError` from :func:`plan_world`, before any
 rank starts.
 """
@@ -28,11 +28,14 @@ rank starts.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import os
 import socket
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from of3_megafold.errors import KitConfigError, KitError
@@ -86,7 +89,9 @@ def data_parallel_size(runner: dict) -> int:
     return max(1, world // sequence_parallel_size(runner))
 
 
-def _accelerator(name: str) -> str:
+def accelerator_kind(name: str) -> str:
+    """``gpu`` or ``cpu`` for a Lightning accelerator name (``auto``: ``gpu`` when
+    torch sees a CUDA device)."""
     import torch
 
     name = str(name).lower()
@@ -129,7 +134,7 @@ def plan_world(runner: dict, accelerator: str | None = None) -> WorldPlan:
         num_nodes=num_nodes,
         devices=devices,
         sp_size=sequence_parallel_size(runner),
-        accelerator=_accelerator(accelerator or trainer.get("accelerator", "gpu")),
+        accelerator=accelerator_kind(accelerator or trainer.get("accelerator", "gpu")),
         deepspeed=trainer.get("deepspeed_config_path") is not None,
     )
     if plan.sp_size < 1 or plan.world_size % plan.sp_size:
@@ -144,12 +149,8 @@ def plan_world(runner: dict, accelerator: str | None = None) -> WorldPlan:
             f"pl_trainer_args: {plan.world_size} processes need torch.distributed, "
             "which this torch build lacks; install a torch with distributed support"
         )
-    if plan.accelerator == "cpu" and plan.deepspeed:
-        raise KitConfigError(
-            "pl_trainer_args.deepspeed_config_path is set with accelerator cpu: "
-            "Lightning's DeepSpeedStrategy runs on CUDA devices only; use "
-            "accelerator gpu, or drop deepspeed_config_path for DDP on CPU"
-        )
+    if plan.deepspeed:
+        _check_deepspeed(trainer["deepspeed_config_path"], plan)
     if plan.world_size > 1:
         _check_backend(plan)
     if plan.deepspeed and _per_sample_clipping(runner):
@@ -160,6 +161,41 @@ def plan_world(runner: dict, accelerator: str | None = None) -> WorldPlan:
             "clips the averaged gradient at settings.gradient_clipping.clip_val"
         )
     return plan
+
+
+def _check_deepspeed(config_path: Any, plan: WorldPlan) -> None:
+    """DeepSpeed importable, its config a readable JSON file, and on CPU DeepSpeed's
+    own accelerator the CPU (:mod:`of3_megafold.parallel.cpu_deepspeed`)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise KitConfigError(
+            "pl_trainer_args.deepspeed_config_path is set, but deepspeed is not "
+            "installed; pip install deepspeed, or drop deepspeed_config_path"
+        )
+    path = Path(config_path)
+    try:
+        json.loads(path.read_text())
+    except OSError as err:
+        raise KitConfigError(
+            f"pl_trainer_args.deepspeed_config_path: {path} cannot be read "
+            f"({err.strerror}); a relative path in an --overlay file is read "
+            "relative to that file, in a --runner-yaml relative to the working "
+            "directory"
+        ) from None
+    except ValueError as err:
+        raise KitConfigError(
+            f"pl_trainer_args.deepspeed_config_path: {path} is not JSON ({err}); "
+            "give a DeepSpeed JSON config"
+        ) from None
+    if plan.accelerator == "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        name = get_accelerator().device_name()
+        if name != "cpu":
+            raise KitConfigError(
+                "pl_trainer_args.deepspeed_config_path with accelerator cpu, but "
+                f"DeepSpeed chose its {name} accelerator here; set "
+                "DS_ACCELERATOR=cpu, or use accelerator gpu"
+            )
 
 
 def _per_sample_clipping(runner: dict) -> bool:
@@ -327,6 +363,7 @@ def train_runner(runner: dict, use_tf32: bool = False) -> None:
 
     from of3_megafold import activate
     from of3_megafold.demo.train import seed_model_init
+    from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
 
     activate()
     if use_tf32:
@@ -336,6 +373,7 @@ def train_runner(runner: dict, use_tf32: bool = False) -> None:
     expt_runner = TrainingExperimentRunner(config)
     seed_model_init(config.experiment_settings.seed)
     expt_runner.setup()
+    use_cpu_deepspeed(expt_runner)
     expt_runner.run()
 
 

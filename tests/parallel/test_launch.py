@@ -13,11 +13,13 @@ import yaml
 from click.testing import CliRunner
 
 from of3_megafold import activate
+from of3_megafold.cli import _overlaid as overlaid
 from of3_megafold.cli import main
 from of3_megafold.errors import KitConfigError, KitError
 from of3_megafold.parallel import launch
 
 REPO = Path(__file__).resolve().parents[2]
+ZERO2_JSON = str(REPO / "runner_yamls" / "deepspeed_zero2.json")
 
 
 def runner(devices=1, num_nodes=1, sp=1, **trainer):
@@ -49,8 +51,12 @@ def test_world_from_the_yaml():
         (runner(devices="auto"), "positive integers"),
         (runner(devices=2, accelerator="tpu"), "'tpu' is not supported"),
         (
-            runner(devices=2, accelerator="cpu", deepspeed_config_path="ds.json"),
-            "DeepSpeedStrategy runs on CUDA devices only",
+            runner(devices=2, accelerator="cpu", deepspeed_config_path="none.json"),
+            "none.json cannot be read",
+        ),
+        (
+            runner(devices=2, accelerator="cpu", deepspeed_config_path=__file__),
+            "is not JSON",
         ),
     ],
 )
@@ -70,7 +76,7 @@ def test_nccl_without_a_gpu_is_refused():
 def test_deepspeed_with_per_sample_clipping_is_refused(monkeypatch):
     activate()  # the kit's keys in the model update
     monkeypatch.setattr(launch, "_check_backend", lambda plan: None)
-    case = runner(devices=2, accelerator="gpu", deepspeed_config_path="ds.json")
+    case = runner(devices=2, accelerator="gpu", deepspeed_config_path=ZERO2_JSON)
     with pytest.raises(KitConfigError, match="per_sample_clipping: false"):
         launch.plan_world(case)
     case["model_update"]["custom"]["settings"]["gradient_clipping"] = {
@@ -157,8 +163,13 @@ def test_under_a_launcher_this_process_is_one_rank(tmp_path, monkeypatch, no_lau
             },
             "3 diffusion samples do not split evenly over 2 ranks",
         ),
+        (
+            runner(devices=2, sp=2, deepspeed_config_path=ZERO2_JSON),
+            "needs model_update.custom.settings.gradient_clipping."
+            "per_sample_clipping: false",
+        ),
     ],
-    ids=["world", "samples"],
+    ids=["world", "samples", "deepspeed-per-sample"],
 )
 def test_the_cli_refuses_before_any_rank_starts(tmp_path, overlay, message):
     path = tmp_path / "overlay.yml"
@@ -178,3 +189,35 @@ def test_the_cpu_overlays_are_valid_worlds():
         overlay = yaml.safe_load((REPO / "runner_yamls" / name).read_text())
         plan = launch.plan_world(overlay, "cpu")
         assert (plan.world_size, plan.dp_size) == world, name
+
+
+def test_an_overlay_reads_its_deepspeed_config_next_to_itself(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the overlay's folder
+    activate()  # the kit's keys in the model update
+    plan = launch.plan_world(
+        overlaid({}, (REPO / "runner_yamls" / "sp_cpu2_zero2.yml",)), "cpu"
+    )
+    assert (plan.world_size, plan.dp_size, plan.deepspeed) == (2, 1, True)
+
+
+def test_a_missing_deepspeed_config_is_refused_before_any_rank_starts(tmp_path):
+    path = tmp_path / "overlays" / "overlay.yml"
+    path.parent.mkdir()
+    settings = {"gradient_clipping": {"per_sample_clipping": False}}
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "pl_trainer_args": {"devices": 2, "deepspeed_config_path": "ds.json"},
+                "model_update": {"custom": {"settings": settings}},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["train", "--overlay", str(path), "--output-dir", str(out)]
+    )
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if "Error:" in line]
+    assert len(errors) == 1, result.output
+    assert f"{path.parent / 'ds.json'} cannot be read" in errors[0], result.output
+    assert not out.exists(), "something was written"

@@ -7,10 +7,17 @@ last checkpoint with a run of the same demo on fewer processes:
 
 - ``runner_yamls/sp_cpu2.yml`` (one SP group of 2) against one process;
 - ``runner_yamls/sp_cpu4_dp2.yml`` (2 data-parallel replicas x SP 2) against the
-  same demo on 2 data-parallel processes.
+  same demo on 2 data-parallel processes;
+- ``runner_yamls/sp_cpu2_zero2.yml`` (SP 2 under Lightning's DeepSpeed strategy,
+  ZeRO stage 2, on DeepSpeed's CPU accelerator) against one process, both with
+  ``per_sample_clipping: false`` (DeepSpeed clips the averaged gradient, Lightning
+  the one process's, each at ``clip_val``); the weights are read back from
+  DeepSpeed's checkpoint folder with its ``zero_to_fp32`` utilities.
 
-The two runs of a case run side by side: on 2 cores about 45 s for SP 2 and 80 s
-for DP 2 x SP 2 (six processes; marked slow), mostly each process's start-up.
+The two runs of a case run side by side: on 2 cores about 45 s for SP 2, 80 s
+for DP 2 x SP 2 (six processes) and 90 s for SP 2 under ZeRO-2 (DeepSpeed's
+engine and its checkpoint folder on top), the last two marked slow; mostly each
+process's start-up.
 
 Both runs draw the same initial weights (the demo seeds them from
 ``experiment_settings.seed``), the same samples (the data-parallel rank is the SP
@@ -41,6 +48,17 @@ PARAM_TOL = 1e-4
 CLIP = {
     "model_update": {
         "custom": {"settings": {"gradient_clipping": {"clip_val": 0.1}}}
+    }
+}
+# OF3 hands clip_val to Lightning's gradient_clip_val ("norm") once per-sample
+# clipping is off; under DeepSpeed Lightning writes it into the DeepSpeed config.
+CLIP_NOT_PER_SAMPLE = {
+    "model_update": {
+        "custom": {
+            "settings": {
+                "gradient_clipping": {"clip_val": 0.1, "per_sample_clipping": False}
+            }
+        }
     }
 }
 
@@ -74,10 +92,19 @@ def finished(run: subprocess.Popen, out: Path) -> tuple[list[dict], dict]:
     assert run.returncode == 0, stderr[-4000:]
     with open(out / "losses.csv") as handle:
         rows = list(csv.DictReader(handle))
-    checkpoint = torch.load(
-        out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False
-    )
-    return rows, checkpoint["state_dict"]
+    return rows, checkpoint_weights(out / "checkpoints" / "last.ckpt")
+
+
+def checkpoint_weights(path: Path) -> dict:
+    """The module's state dict in a Lightning checkpoint: a file, or under
+    DeepSpeed a folder of ZeRO partitions, assembled in fp32."""
+    if path.is_dir():
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(path))
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
 
 
 def train_both(tmp_path, cache, reference: tuple, candidate: tuple):
@@ -101,6 +128,7 @@ def assert_same_training(got, want, what: str) -> None:
             assert abs(actual - expected) <= LOSS_RTOL * abs(expected), (
                 f"{what}, step {row['step']}: {name} {actual} vs {expected}"
             )
+    assert params.keys() == ref_params.keys(), f"{what}: weights differ in names"
     for name, ref in ref_params.items():
         if not ref.dtype.is_floating_point:
             continue
@@ -136,3 +164,17 @@ def test_dp2_sp2_demo_trains_as_dp2(demo_dataset, clip_overlay, tmp_path):
         (clip_overlay, REPO / "runner_yamls" / "sp_cpu4_dp2.yml"),
     )
     assert_same_training(dp2_sp2, dp2, "DP 2 x SP 2 against DP 2")
+
+
+@pytest.mark.slow
+def test_sp2_zero2_demo_trains_as_one_process(demo_dataset, tmp_path):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    clip = tmp_path / "clip.yml"
+    clip.write_text(yaml.safe_dump(CLIP_NOT_PER_SAMPLE))
+    one, zero2 = train_both(
+        tmp_path,
+        demo_dataset.parent,
+        (clip,),
+        (clip, REPO / "runner_yamls" / "sp_cpu2_zero2.yml"),
+    )
+    assert_same_training(zero2, one, "SP 2 under DeepSpeed ZeRO-2 against one process")
