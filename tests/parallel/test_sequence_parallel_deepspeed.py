@@ -27,14 +27,10 @@ Checked against that module's one-process stock reference, run once per replica:
   first step moves the weights) stepped in one process on DeepSpeed's gradient
   clipped at ``clip_val``.
 
-Test-only shims that let Lightning's strategy run on CPU: Lightning refuses
-``DeepSpeedStrategy`` unless the accelerator is CUDA (``setup_environment``), and
-DeepSpeed's engine needs a device index (``args.device_rank``), which Lightning
-takes from the root device (plain ``cpu`` has none), so the strategy gets
-``cpu:<rank>`` devices. DeepSpeed's CPU accelerator uses gloo without Intel's oneCCL.
-When its communication backend starts it JIT-compiles a shared-memory all-reduce
-used only by its CPU inference path (about a minute, needs a C++ compiler): the
-workers skip that build.
+Lightning's strategy runs on CPU through the kit's own shim
+(:mod:`of3_megafold.parallel.cpu_deepspeed`, as ``of3-megafold train`` uses it):
+no CUDA-only check, ``cpu:<rank>`` devices, and DeepSpeed's inference-only
+shared-memory all-reduce left unbuilt.
 """
 
 import os
@@ -80,11 +76,8 @@ def ds_config(stage: int) -> dict:
 def _cpu_deepspeed_strategy(ds_config: dict, world_size: int):
     """Lightning's DeepSpeedStrategy as OF3 builds it, runnable on CPU."""
     from openfold3.core.utils.precision_utils import OF3DeepSpeedPrecision
-    from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
-    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        def setup_environment(self) -> None:
-            DDPStrategy.setup_environment(self)  # without the CUDA-only check
+    from of3_megafold.parallel.cpu_deepspeed import CPUDeepSpeedStrategy
 
     strategy = CPUDeepSpeedStrategy(
         config=ds_config,
@@ -96,22 +89,19 @@ def _cpu_deepspeed_strategy(ds_config: dict, world_size: int):
 
 
 def _rank_body(rank, world_size, out_dir, stage):
-    import importlib
-
     import pytorch_lightning as pl
     from openfold3.projects.of3_all_atom.runner import OpenFold3AllAtom
     from torch.utils.data import DataLoader, DistributedSampler
 
     from of3_megafold.bench import step
+    from of3_megafold.parallel.cpu_deepspeed import skip_cpu_inference_all_reduce
 
     # torch.distributed is up (gloo); Lightning reads the ranks from here and does
     # not launch processes itself.
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0"
     )
-    # The inference-only op (see the docstring); ``import deepspeed.comm.torch``
-    # would give the torch package, which deepspeed.comm re-exports as ``torch``.
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    skip_cpu_inference_all_reduce()
 
     model, _ = sp_model.build(SP_SIZE, True, NO_SAMPLES, SETTINGS)
     module = OpenFold3AllAtom(model.config)
