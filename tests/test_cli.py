@@ -238,6 +238,7 @@ class _RecordingRunner:
 
     def __init__(self, config):
         self.configs.append(config)
+        self.pl_trainer_args = config.pl_trainer_args  # as OF3's runner keeps it
 
     def setup(self):
         pass
