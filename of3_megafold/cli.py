@@ -202,6 +202,17 @@ def _write_yaml(runner: dict, path: Path) -> Path:
     return path
 
 
+_overlay_option = click.option(
+    "--overlay",
+    "overlays",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML merged on top of the runner YAML (repeatable), e.g. "
+    "runner_yamls/all_on.yml.",
+)
+"""``train``'s and ``predict``'s ``--overlay``."""
+
+
 @main.command()
 @click.option(
     "--runner-yaml",
@@ -210,14 +221,7 @@ def _write_yaml(runner: dict, path: Path) -> Path:
     help="OF3 runner YAML (with the kit's keys under model_update.custom). "
     "Without it: the demo on the embedded tiny data set (runner_yamls/demo.yml).",
 )
-@click.option(
-    "--overlay",
-    "overlays",
-    multiple=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="YAML merged on top of the runner YAML (repeatable), e.g. "
-    "runner_yamls/all_on.yml.",
-)
+@_overlay_option
 @click.option("--seed", type=int, help="Initial seed for all processes.")
 @click.option("--data-seed", "--data_seed", type=int, help="Seed for the data.")
 @click.option("--use_tf32", type=bool, default=False, help="Use TF32 matmuls.")
@@ -250,32 +254,20 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
         _train_demo(overlays, seed, data_seed, output_dir, steps)
         return
 
-    from openfold3.entry_points.experiment_runner import TrainingExperimentRunner
     from openfold3.entry_points.validator import TrainingExperimentConfig
-    from openfold3.run_openfold import _configure_torch_backend
 
-    from of3_megafold.demo.train import seed_model_init
-    from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
-
-    _configure_torch_backend()
     runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
     apply_run_options(runner_dict, output_dir, steps)
-    with _user_errors():
+    with _user_errors():  # before any process starts or anything is written
         check_model_update(runner_dict)
-        expt_config = TrainingExperimentConfig.model_validate(runner_dict)
+        TrainingExperimentConfig.model_validate(runner_dict)
         world = launch.plan_world(runner_dict)
     _pin_deepspeed_accelerator()
-    if world.world_size > 1:  # one process per rank (of3_megafold.parallel.launch)
-        with _kit_errors():
-            launch.run_training(world, runner_dict, use_tf32)
-        return
-    with _user_errors():
-        expt_runner = TrainingExperimentRunner(expt_config)
-    seed_model_init(expt_config.experiment_settings.seed)
-    with _kit_errors():  # e.g. a damaged feature-store entry met in a worker
-        expt_runner.setup()
-        use_cpu_deepspeed(expt_runner)
-        expt_runner.run()
+    # One process per rank of the YAML's world (in this process when it is one);
+    # the kit's errors, e.g. a damaged feature-store entry met in a worker, as
+    # one line.
+    with _kit_errors():
+        launch.run_training(world, runner_dict, use_tf32)
 
 
 def apply_run_options(runner: dict, output_dir: Path | None, steps: int | None) -> None:
@@ -326,14 +318,7 @@ def _train_demo(overlays, seed, data_seed, output_dir, steps) -> None:
     help="OF3 inference runner YAML. Without it (and without --inference-ckpt-*): "
     "the demo's model (runner_yamls/demo_predict.yml).",
 )
-@click.option(
-    "--overlay",
-    "overlays",
-    multiple=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="YAML merged on top of the runner YAML (repeatable), e.g. "
-    "runner_yamls/all_on.yml.",
-)
+@_overlay_option
 @click.option(
     "--query-json",
     "--query_json",

@@ -45,6 +45,7 @@ from of3_megafold.demo.build import ensure_demo_dataset
 from of3_megafold.errors import KitConfigError, KitError, unwritable_cause
 from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
 from of3_megafold.parallel.launch import data_parallel_size, global_rank
+from of3_megafold.parallel.rng import seed_model_init
 
 logger = logging.getLogger(__name__)
 
@@ -502,22 +503,6 @@ def removed_on_failure(output_dir: Path) -> Iterator[None]:
         if created and not any((output_dir / CHECKPOINTS_DIR).glob("*.ckpt")):
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
-
-
-def seed_model_init(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators before OF3 builds the model.
-
-    OF3's runner seeds them (``RankSpecificSeedCallback``) only once the Trainer
-    starts, after the model's weights were drawn, so two runs with the same seed
-    began from different weights. The output layers OF3 initialises to zero hid
-    it for the first steps: the losses agreed until the first update with a
-    non-zero learning rate had reached the hidden layers, then drifted. Every
-    rank takes the same seed, so the ranks of a parallel run build the same
-    weights as one process does.
-    """
-    from openfold3.core.utils.callbacks import set_seed_for_rank
-
-    set_seed_for_rank(seed, rank=0)
 
 
 def _clear_checkpoints(output_dir: Path) -> None:

@@ -362,8 +362,8 @@ def train_runner(runner: dict, use_tf32: bool = False) -> None:
     from openfold3.run_openfold import _configure_torch_backend, _enable_tf32
 
     from of3_megafold import activate
-    from of3_megafold.demo.train import seed_model_init
     from of3_megafold.parallel.cpu_deepspeed import use_cpu_deepspeed
+    from of3_megafold.parallel.rng import seed_model_init
 
     activate()
     if use_tf32:

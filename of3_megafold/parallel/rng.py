@@ -6,6 +6,8 @@ coin flips) must be the same draw on every rank. The group therefore uses the
 generators of its first rank: that rank draws exactly what one process training
 alone would draw, and the other ranks copy its generator states (one broadcast).
 A run with SP therefore reproduces the one-process run's random draws.
+
+:func:`seed_model_init` gives every rank, and every run, the same initial weights.
 """
 
 from __future__ import annotations
@@ -82,3 +84,19 @@ def first_rank_generators(group: Group, device: torch.device) -> Iterator[None]:
         yield
     finally:
         _set_states(own, device)
+
+
+def seed_model_init(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators before OF3 builds the model.
+
+    OF3's runner seeds them (``RankSpecificSeedCallback``) only once the Trainer
+    starts, after the model's weights were drawn, so two runs with the same seed
+    began from different weights. The output layers OF3 initialises to zero hid
+    it for the first steps: the losses agreed until the first update with a
+    non-zero learning rate had reached the hidden layers, then drifted. Every
+    rank takes the same seed, so the ranks of a parallel run build the same
+    weights as one process does.
+    """
+    from openfold3.core.utils.callbacks import set_seed_for_rank
+
+    set_seed_for_rank(seed, rank=0)
