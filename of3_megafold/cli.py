@@ -37,7 +37,8 @@ BENCHMARKS = {
 ``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` (one
 training step on random features, :func:`of3_megafold.bench.step.step_command`) and
 ``bench train`` (OF3's training loop, :func:`of3_megafold.bench.train.train_command`)
-are commands of their own."""
+and ``bench predict`` (OF3's inference, :func:`of3_megafold.bench.predict.
+predict_command`) are commands of their own."""
 
 
 def _default_bench_dir() -> Path:
@@ -719,7 +720,7 @@ class _BenchGroup(click.Group):
     """Builds its commands on demand, so the CLI does not import torch to start."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*BENCHMARKS, "step", "train"])
+        return sorted([*BENCHMARKS, "predict", "step", "train"])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in self.list_commands(ctx):
@@ -732,6 +733,10 @@ class _BenchGroup(click.Group):
             from of3_megafold.bench.train import train_command
 
             return train_command
+        if name == "predict":
+            from of3_megafold.bench.predict import predict_command
+
+            return predict_command
         return _module_bench(name)
 
 

@@ -18,6 +18,11 @@ optimizer step::
     peak_gib      peak GPU memory of the step
     sample        the structure and chain/interface the step trained on
                   (``<pdb_id>/<chain or interface>``, e.g. ``1ab2/1_2``)
+    input_digest  a digest of every tensor of the batch (the crop, the reference
+                  conformers, the MSA): equal digests mean equal inputs
+    rng_digest    a digest of the random state as the step ends (Python's,
+                  NumPy's and torch's, CPU and GPU): steps start from the same
+                  state, so equal digests mean the step drew as many random numbers
     loss, grad_norm and every loss component OF3 logged
 
 ``grad_norm`` is the sample's unclipped gradient norm as OF3's per-sample clipping
@@ -30,8 +35,11 @@ A *provider* is a model-config update merged into ``model_update.custom``, as in
 ``bench step`` (:func:`of3_megafold.bench.step.provider_update`): ``stock`` (OF3's
 defaults), ``stock-triton`` (OF3 with its Triton triangle kernels, what OF3 users
 run on a GPU) or ``kit`` (every available extension). Every provider runs with the
-YAML's seeds; each row names its sample, so runs compare step by step on the same
-inputs.
+YAML's seeds, and each step starts from generators seeded by the YAML's seed and
+the step (:class:`StepSeeds`), as ``bench step`` reseeds every step: a provider
+that draws its random numbers in another order (a fused kernel, a captured graph)
+still meets the same noise, dropout masks and conditioning draws at the next step.
+Each row names its sample and digests its inputs, so runs compare step by step.
 
 Each step's row is appended to ``<out-dir>/train_run.json`` as soon as the step
 ends, so a run cut short (a time limit, a crash) keeps every finished step, and a
@@ -42,6 +50,8 @@ The summary table and the plot are :mod:`of3_megafold.bench.train_report`'s.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import random
 import tempfile
 import time
 from collections.abc import Iterator
@@ -49,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import pytorch_lightning as pl
 import torch
 import yaml
@@ -118,6 +129,7 @@ class TrainStepTimer(LossRecorder):
         self._batch_start = 0.0
         self._grad_norm: torch.Tensor | None = None
         self._sample = ""
+        self._input_digest = ""
         self._restore: list[tuple[Any, str, Any]] = []
 
     # -- installation ---------------------------------------------------------
@@ -183,6 +195,7 @@ class TrainStepTimer(LossRecorder):
         self._grad_norm = None
         sample = batch_sample(batch)
         self._sample = f"{sample['pdb_id']}/{sample['sampled']}"
+        self._input_digest = batch_digest(batch)
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
         self._marks = _Marks(self._cuda)
@@ -217,6 +230,8 @@ class TrainStepTimer(LossRecorder):
         row = {
             "step": trainer.global_step,
             "sample": self._sample,
+            "input_digest": self._input_digest,
+            "rng_digest": rng_digest(),
             "wall_ms": _round((end - self._previous_end) * 1e3),
             "data_wait_ms": _round((self._batch_start - self._previous_end) * 1e3),
             **phases,
@@ -233,6 +248,45 @@ class TrainStepTimer(LossRecorder):
         self.timed_rows.append(row)
         if self._on_row is not None:
             self._on_row(row)
+
+
+def batch_digest(batch: Any) -> str:
+    """12 hex digits that change with any tensor of ``batch`` (a mapping of tensors,
+    nested mappings and lists), computed from each tensor's shape and its float64
+    sum and sum of squares, gathered to the host at once."""
+    parts: list[str] = []
+    stats: list[torch.Tensor] = []
+
+    def visit(key: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{key}:{tuple(value.shape)}:{value.dtype}")
+            flat = value.detach().reshape(-1).to(torch.float64)
+            stats.append(torch.stack([flat.sum(), flat.square().sum()]))
+        elif isinstance(value, dict):
+            for name in sorted(value):
+                visit(f"{key}.{name}", value[name])
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(f"{key}[{i}]", item)
+        else:
+            parts.append(f"{key}={value!r}")
+
+    visit("", batch)
+    digest = hashlib.sha1("|".join(parts).encode())
+    if stats:
+        digest.update(torch.stack(stats).cpu().numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+def rng_digest() -> str:
+    """12 hex digits of the process's random state (Python, NumPy, torch's CPU
+    generator and, on a GPU, the current device's)."""
+    digest = hashlib.sha1(repr(random.getstate()).encode())
+    digest.update(repr(np.random.get_state()).encode())
+    digest.update(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        digest.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return digest.hexdigest()[:12]
 
 
 def _round(value: float | None) -> float | None:
@@ -288,6 +342,26 @@ def bench_runner(
     # left out (a multi-GB write after the last timed step).
     runner["checkpoint_config"] = {"every_n_epochs": 0, "save_last": False}
     return runner
+
+
+class StepSeeds(pl.Callback):
+    """Seeds Python's, NumPy's and torch's generators (every device's) with
+    ``seed * 1_000_003 + step`` as each training batch starts.
+
+    OF3 seeds them once, when the Trainer starts; from then on a step's noise
+    depends on every draw before it. Reseeding per step keeps each step's draws
+    the same across providers (OF3's recycle count has its own generator,
+    ``model.synced_generator``, and the data loader's workers theirs).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step_seed = self.seed * 1_000_003 + trainer.global_step
+        random.seed(step_seed)
+        np.random.seed(step_seed % 2**32)
+        torch.manual_seed(step_seed)
 
 
 class _TimeBudget(pl.Callback):
@@ -376,7 +450,10 @@ def run_train_bench(
             dataset_dir=dataset_dir,
             progress=False,
             recorder=timer,
-            callbacks=[_TimeBudget(max_seconds)],
+            callbacks=[
+                StepSeeds((runner.get("experiment_settings") or {}).get("seed", 42)),
+                _TimeBudget(max_seconds),
+            ],
         )
     return written
 
@@ -515,7 +592,10 @@ def train_command(
 
 
 __all__ = [
+    "StepSeeds",
     "TrainStepTimer",
+    "batch_digest",
+    "rng_digest",
     "bench_runner",
     "run_train_bench",
     "train_command",

@@ -68,6 +68,18 @@ def max_relative_gap(
     return max(gaps) if gaps else None
 
 
+def same_inputs(a: Sequence[Mapping], b: Sequence[Mapping]) -> tuple[int, int]:
+    """``(equal, shared)``: of the steps both runs digested their inputs at
+    (``input_digest``), how many saw the same inputs."""
+    digests_b = {row["step"]: row.get("input_digest") for row in b}
+    shared = [
+        (row["input_digest"], digests_b[row["step"]])
+        for row in a
+        if row.get("input_digest") and digests_b.get(row["step"])
+    ]
+    return sum(x == y for x, y in shared), len(shared)
+
+
 def steady_summary(run_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Median step time from step :data:`STEADY_FROM` on, and each part's share.
 
@@ -101,12 +113,13 @@ def steady_summary(run_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
     """A text table: per newest run its steady step time and shares, and for each
-    provider the loss and gradient-norm gap to ``stock-triton`` at the same crop."""
+    provider the loss and gradient-norm gap to ``stock-triton`` at the same crop,
+    with the number of steps on which both saw the same inputs (``inputs``)."""
     runs = latest_runs(rows)
     lines = [
         f"{'provider':<22}{'tokens':>7}{'steps':>6}{'median s':>10}{'data':>7}"
         f"{'fwd+bwd':>9}{'clip':>7}{'opt+ema':>9}{'other':>7}{'peak GiB':>10}"
-        f"{'loss gap':>10}{'gnorm gap':>11}"
+        f"{'loss gap':>10}{'gnorm gap':>11}{'inputs':>9}"
     ]
     for (provider, label, n_token), run_rows in sorted(
         runs.items(), key=lambda item: (item[0][2], item[0][0], item[0][1] or "")
@@ -114,11 +127,15 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
         summary = steady_summary(run_rows)
         name = provider + (f" ({label})" if label else "")
         reference = runs.get(("stock-triton", None, n_token))
-        gaps = ["", ""]
+        gaps = ["", "", ""]
         if reference is not None and reference is not run_rows:
+            equal, shared = same_inputs(run_rows, reference)
             gaps = [
-                _percent(max_relative_gap(run_rows, reference, field))
-                for field in ("loss", "grad_norm")
+                *(
+                    _percent(max_relative_gap(run_rows, reference, field))
+                    for field in ("loss", "grad_norm")
+                ),
+                f"{equal}/{shared}" if shared else "",
             ]
         if not summary["steps"]:
             lines.append(f"{name:<22}{n_token:>7}{len(run_rows):>6}  (no steady steps)")
@@ -139,7 +156,7 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
                 )
             )
             + (f"{peak:>10.1f}" if peak is not None else f"{'':>10}")
-            + f"{gaps[0]:>10}{gaps[1]:>11}"
+            + f"{gaps[0]:>10}{gaps[1]:>11}{gaps[2]:>9}"
         )
     return "\n".join(lines)
 

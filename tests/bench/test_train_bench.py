@@ -158,9 +158,13 @@ def test_latest_runs_and_summary_table(tmp_path):
     rows = old + new + kit + repeat
     runs = train_report.latest_runs(rows)
     assert runs[("stock-triton", None, 384)][0]["date"] == "2026-02-01"
+    for row in kit + new:
+        row["input_digest"] = f"digest-{row['step']}"
+    kit[3]["input_digest"] = "another"
     table = train_report.format_summary(rows)
     kit_line = next(line for line in table.splitlines() if line.startswith("kit"))
     assert "0.50" in kit_line and "1.0%" in kit_line  # median s; loss gap 1%
+    assert kit_line.split()[-1] == "11/12"  # steps with the same inputs
     path = train_report.plot_runs(rows, tmp_path / "plot.png")
     assert path.stat().st_size > 0
 
@@ -189,6 +193,66 @@ def test_a_repeat_in_the_same_process_trains_on_the_same_samples(
         )
         for label in ("", "repeat")
     ]
-    first, repeat = ([(row["sample"], row["loss"]) for row in rows] for rows in runs)
-    assert len(first) == 2 and len({sample for sample, _ in first}) == 2
+    fields = ("sample", "input_digest", "rng_digest", "loss")
+    first, repeat = ([tuple(row[f] for f in fields) for row in rows] for rows in runs)
+    assert len(first) == 2 and len({row[0] for row in first}) == 2
+    assert len({row[1] for row in first}) == 2  # two samples, two digests
     assert repeat == first
+
+
+def test_batch_digest_follows_every_tensor_and_nothing_else():
+    import torch
+
+    batch = {
+        "a": torch.arange(6.0).reshape(2, 3),
+        "nested": {"b": torch.tensor([1, 2, 3]), "list": [torch.ones(2)]},
+        "pdb_id": ["1abc"],
+    }
+    digest = bench_train.batch_digest(batch)
+    assert len(digest) == 12
+    copy = {
+        "pdb_id": ["1abc"],
+        "nested": {"list": [torch.ones(2)], "b": torch.tensor([1, 2, 3])},
+        "a": torch.arange(6.0).reshape(2, 3),
+    }
+    assert bench_train.batch_digest(copy) == digest  # key order does not matter
+    changed = [
+        (
+            "a",
+            torch.arange(6.0)
+            .reshape(2, 3)
+            .index_put_((torch.tensor(1),), torch.tensor(9.0)),
+        ),
+        ("a", torch.arange(6.0).reshape(3, 2)),  # same values, another shape
+        ("pdb_id", ["1abd"]),
+    ]
+    for key, value in changed:
+        assert bench_train.batch_digest({**batch, key: value}) != digest, key
+    inner = {**batch, "nested": {**batch["nested"], "list": [torch.ones(2) * 2]}}
+    assert bench_train.batch_digest(inner) != digest
+
+
+def test_step_seeds_make_each_step_draw_the_same_numbers():
+    """A provider that draws more random numbers in one step (another kernel order)
+    meets the same draws at the next step, and the digest tells the two apart."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    seeds = bench_train.StepSeeds(42)
+
+    def step(global_step, extra_draws):
+        seeds.on_train_batch_start(
+            SimpleNamespace(global_step=global_step), None, None, 0
+        )
+        draws = (random.random(), float(np.random.rand()), float(torch.rand(())))
+        torch.rand(extra_draws)
+        return draws, bench_train.rng_digest()
+
+    (a1, end_a), (a2, _) = step(0, 0), step(1, 0)
+    (b1, end_b), (b2, _) = step(0, 5), step(1, 0)
+    assert a1 == b1 and a2 == b2
+    assert a1 != a2  # each step its own seed
+    assert end_a != end_b

@@ -53,7 +53,7 @@ class LossesDisabledError(RuntimeError):
     """The step ran but trained nothing: OF3 switched its losses off."""
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -76,7 +76,7 @@ def random_training_batch(
     from openfold3.core.utils.tensor_utils import tensor_tree_map
     from openfold3.tests.utils.data_utils import random_of3_features
 
-    _seed_everything(seed)
+    seed_everything(seed)
     batch = random_of3_features(
         batch_size=1, n_token=n_token, n_msa=n_msa, n_templ=n_templ
     )
@@ -134,7 +134,7 @@ def watch_alignment() -> Iterator[_AlignmentWatch]:
 
 
 @contextlib.contextmanager
-def _torch_truncated_normal_init() -> Iterator[None]:
+def torch_truncated_normal_init() -> Iterator[None]:
     """Sample OF3's truncated-normal weight init with torch instead of SciPy.
 
     OF3 draws every LeCun/He-initialised weight with ``scipy.stats.truncnorm.rvs``
@@ -210,8 +210,8 @@ class TrainingStepHarness:
         self.num_recycles = num_recycles
         self.config = provider_model_config(provider, device, config, update)
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        _seed_everything(seed)
-        with _torch_truncated_normal_init():
+        seed_everything(seed)
+        with torch_truncated_normal_init():
             self.model = OpenFold3(self.config)
         self.model.to(self.device).train()
         self.loss_fn = OpenFold3Loss(config=self.config.architecture.loss_module)
@@ -241,7 +241,7 @@ class TrainingStepHarness:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def _prepare(self) -> None:
-        _seed_everything(self.seed)
+        seed_everything(self.seed)
         self.model.synced_generator = (
             FixedRecycles(self.num_recycles)
             if self.num_recycles is not None
