@@ -160,6 +160,17 @@ class TrainStepTimer(LossRecorder):
             return result
 
         self._patch(grad_manager, "compute_global_norm", recording_norm)
+        # The kit's foreach_loop clips with a norm of its own.
+        from of3_megafold.extensions import foreach_loop
+
+        original_foreach_norm = foreach_loop.global_norm
+
+        def recording_foreach_norm(grads):
+            norm = original_foreach_norm(grads)
+            self._grad_norm = norm.detach()
+            return norm
+
+        self._patch(foreach_loop, "global_norm", recording_foreach_norm)
         self._patch(pl_module, "on_train_batch_end", timed_batch_end)
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
@@ -312,10 +323,16 @@ def bench_runner(
     n_token: int,
     device: str,
     *,
+    steps: int | None = None,
     num_workers: int | None = None,
 ) -> dict:
     """The runner dict of one provider: the YAML with the provider's model update
     merged into ``model_update.custom`` and the token crop set to ``n_token``.
+
+    ``steps`` stops the fit after that many optimizer steps (``max_steps``) in an
+    epoch of the YAML's ``data_module_args.epoch_len`` samples (at least ``steps``):
+    OF3 draws an epoch's sample order from its length, so runs of different
+    lengths train on the same sequence of samples, the shorter on its first part.
 
     Placeholders (``${OF3_MEGAFOLD_DEMO}``, ``${OF3_MEGAFOLD_OUTPUT}``) stay for
     :func:`of3_megafold.demo.train.resolve_runner_yaml` to fill.
@@ -338,6 +355,11 @@ def bench_runner(
     _set_token_budget(runner, n_token)
     if num_workers is not None:
         runner.setdefault("data_module_args", {})["num_workers"] = num_workers
+    if steps is not None:
+        data_args = runner.setdefault("data_module_args", {})
+        data_args["epoch_len"] = max(int(data_args.get("epoch_len") or 0), steps)
+        trainer_args = runner.setdefault("pl_trainer_args", {})
+        trainer_args.update(max_epochs=1, max_steps=steps)
     # The rows time the steps; the checkpoint a user's run writes at the end is
     # left out (a multi-GB write after the last timed step).
     runner["checkpoint_config"] = {"every_n_epochs": 0, "save_last": False}
@@ -393,7 +415,7 @@ def run_train_bench(
     Args:
         provider: ``stock``, ``stock-triton`` or ``kit``.
         n_token: token crop of every training dataset.
-        steps: optimizer steps (one epoch of that many samples).
+        steps: optimizer steps (the first of an epoch of the YAML's length).
         out_json: the rows' file (``train_run.json``); appended to step by step.
         runner_yaml: the OF3 runner YAML (demo placeholders allowed).
         label: names a repeat of the same provider (e.g. ``repeat``).
@@ -414,6 +436,7 @@ def run_train_bench(
         provider,
         n_token,
         "cuda" if device == "gpu" else "cpu",
+        steps=steps,
         num_workers=num_workers,
     )
     meta = environment_metadata("cuda" if device == "gpu" else "cpu")
@@ -445,7 +468,6 @@ def run_train_bench(
         run_demo_training(
             yaml_path,
             Path(work) / "run",
-            steps=steps,
             accelerator=accelerator,
             dataset_dir=dataset_dir,
             progress=False,

@@ -169,12 +169,13 @@ def test_latest_runs_and_summary_table(tmp_path):
     assert path.stat().st_size > 0
 
 
-def test_a_repeat_in_the_same_process_trains_on_the_same_samples(
+def test_a_shorter_repeat_in_the_same_process_trains_on_the_same_samples(
     tmp_path, demo_dataset
 ):
     """``bench train`` runs providers in turn in one process: a second run with the
     same seeds must see the same samples, in the same order, and (same provider,
-    same weights) the same losses, so that runs compare step by step."""
+    same weights) the same losses, so that runs compare step by step; a shorter
+    run (a repeat over fewer steps) sees the first part of the same sequence."""
     from of3_megafold import activate
     from of3_megafold.demo.train import DEFAULT_RUNNER_YAML
 
@@ -184,20 +185,57 @@ def test_a_repeat_in_the_same_process_trains_on_the_same_samples(
         bench_train.run_train_bench(
             "stock",
             48,
-            2,
+            steps,
             out,
             runner_yaml=DEFAULT_RUNNER_YAML,
             label=label,
             dataset_dir=demo_dataset,
             accelerator="cpu",
         )
-        for label in ("", "repeat")
+        for label, steps in (("", 3), ("repeat", 2))
     ]
     fields = ("sample", "input_digest", "rng_digest", "loss")
     first, repeat = ([tuple(row[f] for f in fields) for row in rows] for rows in runs)
-    assert len(first) == 2 and len({row[0] for row in first}) == 2
-    assert len({row[1] for row in first}) == 2  # two samples, two digests
-    assert repeat == first
+    assert len(first) == 3 and len({row[1] for row in first}) == 3
+    assert repeat == first[:2]
+
+
+def test_the_kit_s_foreach_clipping_records_the_unclipped_norm(tmp_path, demo_dataset):
+    """With ``use_foreach_loop`` the kit clips with its own norm; the rows still
+    hold the unclipped norm OF3's clipping computes, and the same losses. The
+    clipping limit is lowered to 1 so that every step is clipped."""
+    import yaml
+
+    from of3_megafold import activate
+    from of3_megafold.demo.train import DEFAULT_RUNNER_YAML
+
+    activate()
+    runner = yaml.safe_load(DEFAULT_RUNNER_YAML.read_text())
+    custom = runner.setdefault("model_update", {}).setdefault("custom", {})
+    custom["settings"] = {"gradient_clipping": {"clip_val": 1.0}}
+    clipped_yaml = tmp_path / "clipped.yml"
+    clipped_yaml.write_text(yaml.safe_dump(runner))
+    custom["settings"]["memory"] = {"train": {"use_foreach_loop": True}}
+    foreach_yaml = tmp_path / "foreach.yml"
+    foreach_yaml.write_text(yaml.safe_dump(runner))
+    out = tmp_path / bench_train.JSON_NAME
+    stock, foreach = (
+        bench_train.run_train_bench(
+            "stock",
+            48,
+            3,
+            out,
+            runner_yaml=path,
+            label=label,
+            dataset_dir=demo_dataset,
+            accelerator="cpu",
+        )
+        for path, label in ((clipped_yaml, ""), (foreach_yaml, "foreach"))
+    )
+    assert min(row["grad_norm"] for row in stock) > 1.0  # every step was clipped
+    for a, b in zip(stock, foreach, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
 def test_batch_digest_follows_every_tensor_and_nothing_else():

@@ -1,0 +1,116 @@
+"""``bench predict``: OF3's inference per provider (tiny model, CPU) and the walk
+to the largest query."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from of3_megafold.bench import predict as bench_predict
+from of3_megafold.bench.common import read_rows
+from of3_megafold.errors import KitError
+
+FEW_ROLLOUT_STEPS = {
+    "architecture": {
+        "shared": {
+            "diffusion": {"no_full_rollout_steps": 4, "no_full_rollout_samples": 2}
+        }
+    }
+}
+
+
+def test_the_kit_predicts_with_the_eval_keys_of_all_on():
+    overlay = yaml.safe_load(bench_predict.ALL_ON_YAML.read_text())
+    eval_flags = overlay["model_update"]["custom"]["settings"]["memory"]["eval"]
+    update = bench_predict.predict_update("kit")
+    assert update == {"settings": {"memory": {"eval": eval_flags}}}
+    assert eval_flags["use_evoflash_attention"] is True
+    triton = bench_predict.predict_update("stock-triton")["settings"]["memory"]
+    assert triton["eval"]["use_triton_triangle_kernels"] is True
+    with pytest.raises(KitError, match="unknown provider"):
+        bench_predict.predict_update("fast")
+
+
+def _oom(n):
+    raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at {n}")
+
+
+def test_walk_ladder_stops_at_the_first_out_of_memory():
+    tried = []
+
+    def attempt(n):
+        tried.append(n)
+        return _oom(n) if n >= 3000 else 1.0
+
+    outcomes = list(bench_predict.walk_ladder(attempt, [4000, 1000, 2000, 3000], 1e9))
+    assert [(o["n_token"], o["status"]) for o in outcomes] == [
+        (1000, "ok"),
+        (2000, "ok"),
+        (3000, "oom"),
+    ]
+    assert tried == [1000, 2000, 3000]  # nothing after the first failure
+
+
+def test_walk_ladder_skips_a_size_predicted_to_overrun_the_budget():
+    outcomes = list(
+        bench_predict.walk_ladder(lambda n: 10.0, [1000, 2000], 60.0, last=(500, 10.0))
+    )
+    # 1000 tokens: 10 s * 2^3 = 80 s predicted > 60 s of budget.
+    assert len(outcomes) == 1 and outcomes[0]["status"] == "skipped"
+    assert "predicted 80 s" in outcomes[0]["reason"]
+
+
+def test_walk_ladder_passes_other_errors_on():
+    def attempt(n):
+        raise ValueError("not a memory problem")
+
+    with pytest.raises(ValueError, match="not a memory problem"):
+        list(bench_predict.walk_ladder(attempt, [1000], 1e9))
+
+
+def test_two_runs_of_one_provider_predict_the_same(tmp_path):
+    """Same weights, same query, reseeded noise: the second provider's outputs are
+    compared with the first's, here identical."""
+    out = tmp_path / bench_predict.JSON_NAME
+    rows = bench_predict.run_predict_bench(
+        ["stock", "stock"],
+        [16],
+        out,
+        device="cpu",
+        config="tiny",
+        update=FEW_ROLLOUT_STEPS,
+    )
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    assert "si_rel_diff" not in rows[0]
+    assert rows[1]["si_rel_diff"] == 0.0
+    assert all(row["ms"] > 0 and row["peak_gib"] is None for row in rows)
+    assert read_rows(out) == rows
+
+
+def test_quick_command_writes_rows_and_a_summary(tmp_path):
+    (tmp_path / bench_predict.JSON_NAME).write_text("[]")
+    result = CliRunner().invoke(
+        bench_predict.predict_command,
+        ["--quick", "--out-dir", str(tmp_path)],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    rows = read_rows(tmp_path / bench_predict.JSON_NAME)
+    assert [(row["provider"], row["n_token"]) for row in rows] == [
+        ("stock", 16),
+        ("stock", 24),
+    ]
+    for field in ("gpu", "commit", "date", "torch", "openfold3"):
+        assert field in rows[0]
+    assert "provider" in result.output and "stock" in result.output
+
+
+def test_an_unreadable_json_is_refused(tmp_path):
+    (tmp_path / bench_predict.JSON_NAME).write_text('[{"provider": "kit"')
+    result = CliRunner().invoke(
+        bench_predict.predict_command, ["--quick", "--out-dir", str(tmp_path)]
+    )
+    assert result.exit_code != 0
+    assert "cannot be read as a list of benchmark rows" in result.output
