@@ -89,6 +89,31 @@ def test_two_runs_of_one_provider_predict_the_same(tmp_path):
     assert read_rows(out) == rows
 
 
+def test_the_ladder_predicts_with_fewer_rollout_steps(tmp_path):
+    """Ladder rows roll out ``ladder_rollout_steps`` steps; the fixed sizes keep the
+    config's count."""
+    out = tmp_path / bench_predict.JSON_NAME
+    rows = bench_predict.run_predict_bench(
+        ["stock"],
+        [16],
+        out,
+        ladder=[24, 32],
+        ladder_rollout_steps=2,
+        device="cpu",
+        config="tiny",
+        update=FEW_ROLLOUT_STEPS,
+    )
+    assert [
+        (r["n_token"], r.get("ladder", False), r["rollout_steps"]) for r in rows
+    ] == [
+        (16, False, 4),
+        (24, True, 2),
+        (32, True, 2),
+    ]
+    assert all(row["status"] == "ok" for row in rows)
+    assert "largest: 32" in bench_predict.format_summary(rows)
+
+
 def test_quick_command_writes_rows_and_a_summary(tmp_path):
     (tmp_path / bench_predict.JSON_NAME).write_text("[]")
     result = CliRunner().invoke(
