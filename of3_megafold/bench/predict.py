@@ -9,8 +9,11 @@ and confidence files are left out: host work, the same for every provider.
 
 The model is OF3's default model with the ``predict`` preset (chunk-size tuning,
 confidence heads offloaded above 2,800 tokens), its weights drawn at random with
-the run's seed (the same weights for every provider); the batch is
-``random_of3_features(is_eval=True)``. Providers::
+the run's seed (the same weights for every provider). OF3 initialises its output
+layers (the diffusion module's update, the confidence and distogram logits) to
+zero, which would make the predicted atoms depend on the noise alone; those are
+drawn at random too (:func:`randomize_zero_weights`), so every output depends on
+every module. The batch is ``random_of3_features(is_eval=True)``. Providers::
 
     stock         OF3's eval defaults without its Triton kernels (the CPU's)
     stock-triton  OF3's eval defaults: its Triton triangle kernels, what
@@ -19,10 +22,11 @@ the run's seed (the same weights for every provider); the batch is
                   ``of3-megafold predict --overlay runner_yamls/all_on.yml`` runs
 
 Each prediction is reseeded, so providers draw the same diffusion noise; a row
-compares the trunk's single representation with the first provider's at the same
-size (``si_rel_diff``, relative L2). The predicted atoms are not compared: OF3
-initialises the diffusion module's and the confidence heads' output layers to zero,
-so with fresh weights the positions depend on the noise alone.
+compares its outputs with the first provider's at the same size: ``si_rel_diff``
+(the trunk's single representation, relative L2) and ``positions_rms_a`` (the
+predicted atoms, RMS difference in Angstrom). Rows carry ``weights:
+"random-outputs"``; rows without it kept OF3's zero output layers, and their
+``positions_rms_a`` (0.0) compared nothing.
 
 The largest size: after the fixed sizes, each provider walks ``--ladder`` upwards
 until a prediction runs out of memory (a row with ``status: "oom"``). The walk's
@@ -114,6 +118,7 @@ class Prediction:
     ms: float
     peak_gib: float | None
     si_trunk: torch.Tensor  # [N_token * C_s] on the CPU, fp32
+    positions: torch.Tensor  # [N_samples, N_atom, 3] on the CPU, fp32
 
 
 class Predictor:
@@ -143,6 +148,7 @@ class Predictor:
         seed_everything(seed)
         with torch_truncated_normal_init():
             self.model = OpenFold3(self.config)
+        randomize_zero_weights(self.model, seed)
         self.model.to(self.device).eval()
 
     def batch(self, n_token: int, n_msa: int, n_templ: int) -> dict:
@@ -183,6 +189,7 @@ class Predictor:
             if cuda
             else None,
             si_trunk=outputs["si_trunk"].detach().float().reshape(-1).cpu(),
+            positions=outputs["atom_positions_predicted"].detach().float().cpu(),
         )
 
     @property
@@ -207,11 +214,34 @@ class Predictor:
         free_device_memory()
 
 
+def randomize_zero_weights(model: torch.nn.Module, seed: int) -> list[str]:
+    """Draw every all-zero weight matrix of ``model`` (OF3's ``final``-initialised
+    output layers) from ``N(0, 1 / fan_in)``, in place, with a generator seeded by
+    ``seed``: the same values for every provider's model.
+
+    Returns:
+        The names of the weights drawn.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    drawn = []
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() < 2 or weight.any():
+                continue
+            values = torch.randn(weight.shape, generator=generator)
+            weight.copy_(values / weight.shape[-1] ** 0.5)
+            drawn.append(name)
+    return drawn
+
+
 def compare(prediction: Prediction, reference: Prediction) -> dict[str, float]:
-    """``si_rel_diff`` of ``prediction`` against ``reference`` (module docstring)."""
+    """``si_rel_diff`` and ``positions_rms_a`` of ``prediction`` against
+    ``reference`` (module docstring)."""
     si = prediction.si_trunk - reference.si_trunk
+    positions = prediction.positions - reference.positions
     return {
-        "si_rel_diff": float(si.norm() / reference.si_trunk.norm().clamp_min(1e-30))
+        "si_rel_diff": float(si.norm() / reference.si_trunk.norm().clamp_min(1e-30)),
+        "positions_rms_a": float(positions.square().sum(-1).mean().sqrt()),
     }
 
 
@@ -286,6 +316,7 @@ def run_predict_bench(
             "n_msa": n_msa,
             "n_templ": n_templ,
             "precision": "bf16-autocast" if device == "cuda" else "fp32",
+            "weights": "random-outputs",
             **fields,
             **meta,
         }
@@ -370,7 +401,10 @@ def _describe(row: dict[str, Any]) -> str:
     if row.get("peak_gib") is not None:
         text += f", {row['peak_gib']:.1f} GiB"
     if "si_rel_diff" in row:
-        text += f", trunk vs the first provider: {row['si_rel_diff']:.2e} relative"
+        text += (
+            f", vs the first provider: trunk {row['si_rel_diff']:.2e} relative, "
+            f"atoms {row['positions_rms_a']:.3g} A RMS"
+        )
     return head + text
 
 
@@ -514,6 +548,7 @@ __all__ = [
     "Predictor",
     "predict_command",
     "predict_update",
+    "randomize_zero_weights",
     "run_predict_bench",
     "walk_ladder",
 ]
