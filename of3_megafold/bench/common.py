@@ -341,6 +341,37 @@ def read_rows(path: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
+def check_rows_readable(path: Path | str) -> None:
+    """Refuse to append to a file that is not a JSON list of rows (nothing is
+    overwritten: the rows already there are results of record).
+
+    Raises:
+        KitError: ``path`` exists and cannot be read as a list of rows.
+    """
+    from of3_megafold.errors import KitError
+
+    try:
+        read_rows(path)
+    except (ValueError, OSError) as error:
+        raise KitError(
+            f"{path} cannot be read as a list of benchmark rows ({error}); "
+            "move it aside or repair it, then run again"
+        ) from error
+
+
+def out_dir_option(help: str):
+    """A benchmark command's ``--out-dir`` (default :func:`benchmark_dir`)."""
+    import click
+
+    return click.option(
+        "--out-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=benchmark_dir,
+        show_default="docs/benchmarks of the checkout, else of the working directory",
+        help=help,
+    )
+
+
 def append_rows(path: Path | str, rows: Iterable[dict[str, Any]]) -> None:
     """Append ``rows`` to the JSON list in ``path``, creating it if needed.
 

@@ -55,10 +55,11 @@ import yaml
 from of3_megafold.bench.common import (
     GIB,
     append_rows,
-    benchmark_dir,
+    check_rows_readable,
     environment_metadata,
     free_device_memory,
     is_out_of_memory,
+    out_dir_option,
     parse_ints,
     read_rows,
 )
@@ -133,21 +134,14 @@ class Predictor:
     """
 
     def __init__(self, provider, device, config="full", update=None, seed=SEED):
-        from openfold3.projects.of3_all_atom.model import OpenFold3
-
-        from of3_megafold.bench.step.harness import (
-            seed_everything,
-            torch_truncated_normal_init,
-        )
+        from of3_megafold.bench.step.harness import random_model, seed_everything
 
         self.provider = provider
         self.device = torch.device(device)
         self.seed = seed
         self._reseed = seed_everything
         self.config = predict_model_config(provider, config, update)
-        seed_everything(seed)
-        with torch_truncated_normal_init():
-            self.model = OpenFold3(self.config)
+        self.model = random_model(self.config, seed)
         randomize_zero_weights(self.model, seed)
         self.model.to(self.device).eval()
 
@@ -305,6 +299,7 @@ def run_predict_bench(
     Returns:
         The rows written.
     """
+    check_rows_readable(out_json)
     meta = environment_metadata(device)
     written: list[dict[str, Any]] = []
     references: dict[int, Prediction] = {}
@@ -477,13 +472,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     show_default=True,
     help="Per provider: the ladder stops before a size predicted to overrun this.",
 )
-@click.option(
-    "--out-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=benchmark_dir,
-    show_default="docs/benchmarks of the checkout",
-    help=f"Rows are appended to <out-dir>/{JSON_NAME}.",
-)
+@out_dir_option(f"Rows are appended to <out-dir>/{JSON_NAME}.")
 @click.option(
     "--quick",
     is_flag=True,
@@ -497,18 +486,11 @@ def predict_command(
 
     activate()
     out_json = Path(out_dir) / JSON_NAME
-    try:
-        read_rows(out_json)
-    except (ValueError, OSError) as error:
-        raise click.ClickException(
-            f"{out_json} cannot be read as a list of benchmark rows ({error}); "
-            "move it aside or repair it, then run again"
-        ) from error
     on_gpu = torch.cuda.is_available() and not quick
     device = "cuda" if on_gpu else "cpu"
     chosen = providers or (("stock-triton", "kit") if on_gpu else ("stock",))
     if quick:
-        sizes, steps, config = [16, 24], [], "tiny"
+        sizes, ladder_sizes, config = [16, 24], [], "tiny"
         update = {
             "architecture": {
                 "shared": {
@@ -520,7 +502,7 @@ def predict_command(
             }
         }
     else:
-        sizes, steps, config, update = (
+        sizes, ladder_sizes, config, update = (
             parse_ints(tokens),
             parse_ints(ladder),
             "full",
@@ -531,7 +513,7 @@ def predict_command(
             chosen,
             sizes,
             out_json,
-            ladder=steps,
+            ladder=ladder_sizes,
             ladder_rollout_steps=ladder_rollout_steps,
             budget_s=budget_minutes * 60,
             device=device,

@@ -67,8 +67,9 @@ import yaml
 from of3_megafold.bench.common import (
     GIB,
     append_rows,
-    benchmark_dir,
+    check_rows_readable,
     environment_metadata,
+    out_dir_option,
     read_rows,
 )
 from of3_megafold.bench.train_report import PHASES, format_summary, plot_runs
@@ -429,7 +430,7 @@ def run_train_bench(
     """
     from of3_megafold.demo.train import resolve_device, run_demo_training
 
-    _check_readable(out_json)
+    check_rows_readable(out_json)
     device, _ = resolve_device(accelerator)
     runner = bench_runner(
         runner_yaml,
@@ -478,18 +479,6 @@ def run_train_bench(
             ],
         )
     return written
-
-
-def _check_readable(out_json: Path) -> None:
-    """Refuse to append to a file that is not a JSON list of rows (nothing is
-    overwritten: the rows already there are results of record)."""
-    try:
-        read_rows(out_json)
-    except (ValueError, OSError) as error:
-        raise KitError(
-            f"{out_json} cannot be read as a list of benchmark rows ({error}); "
-            "move it aside or repair it, then run again"
-        ) from error
 
 
 # -- the command ----------------------------------------------------------------
@@ -545,13 +534,7 @@ def _kit_errors() -> Iterator[None]:
     type=float,
     help="Stop each provider after the step during which this ran out.",
 )
-@click.option(
-    "--out-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=benchmark_dir,
-    show_default="docs/benchmarks of the checkout",
-    help=f"Rows are appended to <out-dir>/{JSON_NAME}; the plot is {PLOT_NAME}.",
-)
+@out_dir_option(f"Rows are appended to <out-dir>/{JSON_NAME}; the plot is {PLOT_NAME}.")
 @click.option(
     "--quick",
     is_flag=True,

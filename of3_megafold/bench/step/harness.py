@@ -134,7 +134,7 @@ def watch_alignment() -> Iterator[_AlignmentWatch]:
 
 
 @contextlib.contextmanager
-def torch_truncated_normal_init() -> Iterator[None]:
+def _torch_truncated_normal_init() -> Iterator[None]:
     """Sample OF3's truncated-normal weight init with torch instead of SciPy.
 
     OF3 draws every LeCun/He-initialised weight with ``scipy.stats.truncnorm.rvs``
@@ -162,6 +162,16 @@ def torch_truncated_normal_init() -> Iterator[None]:
         yield
     finally:
         initialization.trunc_normal_init_ = original
+
+
+def random_model(config, seed: int):
+    """OF3's ``OpenFold3(config)`` on the CPU, its weights drawn with ``seed`` (the
+    same weights for every provider's config)."""
+    from openfold3.projects.of3_all_atom.model import OpenFold3
+
+    seed_everything(seed)
+    with _torch_truncated_normal_init():
+        return OpenFold3(config)
 
 
 @dataclass
@@ -201,7 +211,6 @@ class TrainingStepHarness:
         update: Mapping | None = None,
     ):
         from openfold3.core.loss.loss_module import OpenFold3Loss
-        from openfold3.projects.of3_all_atom.model import OpenFold3
 
         self.device = torch.device(device)
         self.config_name = config
@@ -210,9 +219,7 @@ class TrainingStepHarness:
         self.num_recycles = num_recycles
         self.config = provider_model_config(provider, device, config, update)
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        seed_everything(seed)
-        with torch_truncated_normal_init():
-            self.model = OpenFold3(self.config)
+        self.model = random_model(self.config, seed)
         self.model.to(self.device).train()
         self.loss_fn = OpenFold3Loss(config=self.config.architecture.loss_module)
         self.params_m = sum(p.numel() for p in self.model.parameters()) / 1e6
