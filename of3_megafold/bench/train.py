@@ -43,7 +43,9 @@ Each row names its sample and digests its inputs, so runs compare step by step.
 
 Each step's row is appended to ``<out-dir>/train_run.json`` as soon as the step
 ends, so a run cut short (a time limit, a crash) keeps every finished step, and a
-later invocation appends to the file. Rows of one invocation share a ``run`` id.
+later invocation appends to the file. Rows of one run share a ``run`` id; with
+``--resume-dir`` a run stopped by ``--max-minutes`` continues in a later invocation
+under the same id (:class:`ResumableRun`).
 The summary table and the plot are :mod:`of3_megafold.bench.train_report`'s.
 """
 
@@ -51,9 +53,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import random
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -387,6 +391,39 @@ class StepSeeds(pl.Callback):
         torch.manual_seed(step_seed)
 
 
+def _recycle_generators(pl_module: pl.LightningModule) -> list[np.random.Generator]:
+    """OF3's generators of the recycle count (``synced_generator``), in module order."""
+    return [
+        module.synced_generator
+        for module in pl_module.modules()
+        if isinstance(getattr(module, "synced_generator", None), np.random.Generator)
+    ]
+
+
+class _SkippingLoader:
+    """A training loader that loads, and drops, its first ``skip`` batches.
+
+    Attributes other than iteration are the wrapped loader's (its ``sampler`` for
+    Lightning's ``set_epoch``, its length for the epoch's batch count).
+    """
+
+    def __init__(self, loader: Any, skip: int) -> None:
+        self.loader = loader
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        for _ in range(self.skip):
+            next(batches)
+        yield from batches
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
 class _TimeBudget(pl.Callback):
     """Stops the fit after the step during which ``seconds`` ran out."""
 
@@ -396,6 +433,147 @@ class _TimeBudget(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.deadline is not None and time.monotonic() > self.deadline:
             trainer.should_stop = True
+
+
+RESUME_STATE_KEY = "of3_megafold_bench_train"
+"""The checkpoint's entry for what Lightning does not keep: OF3's recycle draws."""
+
+
+class ResumableRun(pl.Callback):
+    """Carries a provider's unfinished run over to a later invocation.
+
+    A run stopped before its last step (``--max-minutes``, a device's time limit)
+    saves a Lightning checkpoint (weights, Adam, EMA, the loops' counters) after its
+    last finished step, with the state of OF3's recycle-count generator, which
+    Lightning does not keep. A run that starts from such a checkpoint (OF3's
+    ``experiment_settings.restart_checkpoint_path``) first loads the ``resumed_step``
+    batches already trained, without training on them: OF3's data-loader workers
+    draw their crops from per-worker generators, so only the same batches in the
+    same order bring each worker to the state where the run stopped. The resumed
+    steps then see the inputs and random draws of an uninterrupted run (the loader
+    also keeps the seed it started the epoch with, which OF3's DataModule would move
+    on to the next epoch's).
+
+    Beside the checkpoint (``<name>.ckpt``) a ``<name>.json`` records the run's id,
+    its last step and its step count (:func:`read_resume_state`); both are written
+    to a temporary name first, so a run killed while saving leaves the previous
+    pair.
+
+    Args:
+        checkpoint: where the unfinished run's checkpoint is written.
+        steps: the run's optimizer steps; reaching them writes no checkpoint.
+        run_id: the rows' ``run``, kept by the resumed part.
+        resumed_step: the checkpoint's step when resuming, else 0.
+    """
+
+    def __init__(
+        self, checkpoint: Path, steps: int, run_id: str, resumed_step: int = 0
+    ) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.steps = int(steps)
+        self.run_id = run_id
+        self.resumed_step = int(resumed_step)
+        self.saved = False
+        self._wrapper: Any = None
+        self._original: Any = None
+        self._data_seed: int | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage) -> None:
+        datamodule = trainer.datamodule
+        if not self.resumed_step or datamodule is None:
+            return
+        make_loader = datamodule.train_dataloader
+
+        def resumed_loader() -> _SkippingLoader:
+            # OF3's DataModule.load_state_dict assumes a resume at an epoch's end
+            # and moves its loader seed on to the next epoch's; mid-epoch the loader
+            # must draw its workers' seeds as the stopped run did.
+            if self._data_seed is not None:
+                datamodule.next_data_seed = self._data_seed
+            return _SkippingLoader(make_loader(), self.resumed_step)
+
+        datamodule.train_dataloader = resumed_loader
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        checkpoint[RESUME_STATE_KEY] = {
+            "recycle_generators": [
+                generator.bit_generator.state
+                for generator in _recycle_generators(pl_module)
+            ],
+            "data_seed": getattr(trainer.datamodule, "next_data_seed", None),
+        }
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        saved = checkpoint.get(RESUME_STATE_KEY)
+        if saved is None:  # a checkpoint of another origin
+            return
+        states = saved["recycle_generators"]
+        generators = _recycle_generators(pl_module)
+        for generator, state in zip(generators, states, strict=True):
+            generator.bit_generator.state = state
+        self._data_seed = saved["data_seed"]
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning runs the callbacks' on_train_batch_end before the module's, in
+        # which OF3 updates its EMA: the checkpoint is written after the module's.
+        original = pl_module.on_train_batch_end
+
+        def saving_batch_end(*args: Any, **kwargs: Any):
+            result = original(*args, **kwargs)
+            if trainer.should_stop and trainer.global_step < self.steps:
+                self._save(trainer)
+            return result
+
+        self._wrapper = saving_batch_end
+        self._original = pl_module.__dict__.get("on_train_batch_end")
+        pl_module.on_train_batch_end = saving_batch_end
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unpatch(pl_module)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._unpatch(pl_module)
+
+    def _unpatch(self, pl_module: pl.LightningModule) -> None:
+        # Another callback (TrainStepTimer) may have unpatched first, taking this
+        # wrapper with it.
+        if pl_module.__dict__.get("on_train_batch_end") is self._wrapper:
+            if self._original is None:
+                del pl_module.on_train_batch_end
+            else:
+                pl_module.on_train_batch_end = self._original
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        partial = self.checkpoint.with_name(self.checkpoint.name + ".partial")
+        trainer.save_checkpoint(partial)
+        state = {"run": self.run_id, "step": trainer.global_step, "steps": self.steps}
+        sidecar = self.checkpoint.with_suffix(".json")
+        partial_sidecar = sidecar.with_name(sidecar.name + ".partial")
+        partial_sidecar.write_text(json.dumps(state))
+        partial.replace(self.checkpoint)
+        partial_sidecar.replace(sidecar)
+        self.saved = True
+
+
+def read_resume_state(checkpoint: Path) -> dict[str, Any] | None:
+    """``{"run", "step", "steps"}`` of an unfinished run saved at ``checkpoint`` by
+    :class:`ResumableRun`; None when there is none.
+
+    Raises:
+        KitError: the checkpoint exists but its ``.json`` is missing or unreadable.
+    """
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        return None
+    sidecar = checkpoint.with_suffix(".json")
+    try:
+        state = json.loads(sidecar.read_text())
+        return {key: state[key] for key in ("run", "step", "steps")}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise KitError(
+            f"{checkpoint}: its run record {sidecar.name} is missing or unreadable "
+            f"({error}); delete both to start the run afresh"
+        ) from error
 
 
 def run_train_bench(
@@ -409,6 +587,7 @@ def run_train_bench(
     dataset_dir: Path | None = None,
     num_workers: int | None = None,
     max_seconds: float | None = None,
+    resume_dir: Path | None = None,
     accelerator: str = "auto",
 ) -> list[dict[str, Any]]:
     """Train one provider for ``steps`` optimizer steps; append a row per step.
@@ -423,6 +602,9 @@ def run_train_bench(
         dataset_dir: a built demo set; None builds or reuses the cached one.
         num_workers: data-loader workers; None keeps the YAML's.
         max_seconds: stop after the step during which this much time passed.
+        resume_dir: where a run stopped before ``steps`` leaves its checkpoint
+            (:class:`ResumableRun`), and from where the next call with the same
+            provider, label, crop and steps continues it. None: no checkpoint.
         accelerator: ``auto``, ``cpu`` or ``gpu``.
 
     Returns:
@@ -441,7 +623,28 @@ def run_train_bench(
         num_workers=num_workers,
     )
     meta = environment_metadata("cuda" if device == "gpu" else "cpu")
-    run_id = f"{provider}{'-' + label if label else ''}-{n_token}-{meta['date']}"
+    name = f"{provider}{'-' + label if label else ''}-{n_token}"
+    run_id = f"{name}-{meta['date']}"
+    resumable = None
+    if resume_dir is not None:
+        checkpoint = Path(resume_dir) / f"{name}.ckpt"
+        resumed = read_resume_state(checkpoint)
+        if resumed is not None:
+            if resumed["steps"] != steps:
+                raise KitConfigError(
+                    f"{checkpoint} continues a run of {resumed['steps']} steps, not "
+                    f"{steps}: run with --steps {resumed['steps']}, or delete it and "
+                    f"its .json to start afresh"
+                )
+            run_id = resumed["run"]
+            runner.setdefault("experiment_settings", {})["restart_checkpoint_path"] = (
+                str(checkpoint)
+            )
+            print(f"  resuming {run_id} after step {resumed['step']}", flush=True)
+        Path(resume_dir).mkdir(parents=True, exist_ok=True)
+        resumable = ResumableRun(
+            checkpoint, steps, run_id, resumed["step"] if resumed else 0
+        )
     written: list[dict[str, Any]] = []
 
     def write(row: dict[str, Any]) -> None:
@@ -463,7 +666,13 @@ def run_train_bench(
         )
 
     timer = TrainStepTimer(on_row=write)
-    with tempfile.TemporaryDirectory(prefix="of3mf-bench-train-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="of3mf-bench-train-") as work,
+        warnings.catch_warnings(),
+    ):
+        # Lightning warns that a plain loader restarts its epoch on a mid-epoch
+        # resume; ResumableRun's loader skips the batches already trained.
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint")
         yaml_path = Path(work) / "bench_train.yml"
         yaml_path.write_text(yaml.safe_dump(runner, sort_keys=False))
         run_demo_training(
@@ -476,8 +685,15 @@ def run_train_bench(
             callbacks=[
                 StepSeeds((runner.get("experiment_settings") or {}).get("seed", 42)),
                 _TimeBudget(max_seconds),
+                *([resumable] if resumable else []),
             ],
         )
+    if resumable is not None:
+        if resumable.saved:
+            print(f"  unfinished: {resumable.checkpoint} continues it", flush=True)
+        elif written and written[-1]["step"] >= steps:  # nothing left to continue
+            resumable.checkpoint.unlink(missing_ok=True)
+            resumable.checkpoint.with_suffix(".json").unlink(missing_ok=True)
     return written
 
 
@@ -534,6 +750,12 @@ def _kit_errors() -> Iterator[None]:
     type=float,
     help="Stop each provider after the step during which this ran out.",
 )
+@click.option(
+    "--resume-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A provider stopped before --steps leaves its checkpoint here; the same "
+    "command continues it from there, on the same samples and random draws.",
+)
 @out_dir_option(f"Rows are appended to <out-dir>/{JSON_NAME}; the plot is {PLOT_NAME}.")
 @click.option(
     "--quick",
@@ -554,6 +776,7 @@ def train_command(
     dataset_dir,
     num_workers,
     max_minutes,
+    resume_dir,
     out_dir,
     quick,
     summary_only,
@@ -586,6 +809,7 @@ def train_command(
                     dataset_dir=dataset_dir,
                     num_workers=num_workers,
                     max_seconds=None if max_minutes is None else max_minutes * 60,
+                    resume_dir=resume_dir,
                     accelerator=accelerator,
                 )
                 click.echo(f"{len(rows)} rows appended to {out_json}")
@@ -597,11 +821,13 @@ def train_command(
 
 
 __all__ = [
+    "ResumableRun",
     "StepSeeds",
     "TrainStepTimer",
     "batch_digest",
     "rng_digest",
     "bench_runner",
+    "read_resume_state",
     "run_train_bench",
     "train_command",
 ]

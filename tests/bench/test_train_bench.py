@@ -200,6 +200,57 @@ def test_a_shorter_repeat_in_the_same_process_trains_on_the_same_samples(
     assert repeat == first[:2]
 
 
+def test_a_run_cut_short_continues_from_its_checkpoint(tmp_path, demo_dataset):
+    """A run stopped by its time budget leaves a checkpoint in ``resume_dir``; the
+    next call continues it. The two parts' steps equal an uninterrupted run's
+    (samples, input and random-state digests, losses, gradient norms) and share
+    one run id; the finished run leaves no checkpoint behind."""
+    from of3_megafold import activate
+    from of3_megafold.demo.train import DEFAULT_RUNNER_YAML
+
+    activate()
+    out = tmp_path / bench_train.JSON_NAME
+    resume_dir = tmp_path / "resume"
+
+    def run(label, steps=3, **options):
+        return bench_train.run_train_bench(
+            "stock",
+            48,
+            steps,
+            out,
+            runner_yaml=DEFAULT_RUNNER_YAML,
+            label=label,
+            dataset_dir=demo_dataset,
+            accelerator="cpu",
+            **options,
+        )
+
+    whole = run("whole")
+    first = run("parts", max_seconds=0, resume_dir=resume_dir)
+    assert [row["step"] for row in first] == [1]
+    checkpoint = resume_dir / "stock-parts-48.ckpt"
+    state = bench_train.read_resume_state(checkpoint)
+    assert state == {"run": first[0]["run"], "step": 1, "steps": 3}
+    with pytest.raises(KitError, match="--steps 3"):
+        run("parts", steps=2, resume_dir=resume_dir)
+    rest = run("parts", resume_dir=resume_dir)
+    assert [row["step"] for row in rest] == [2, 3]
+    assert {row["run"] for row in first + rest} == {first[0]["run"]}
+    fields = ("sample", "input_digest", "rng_digest", "loss", "grad_norm")
+    assert [tuple(row[f] for f in fields) for row in first + rest] == [
+        tuple(row[f] for f in fields) for row in whole
+    ]
+    assert list(resume_dir.iterdir()) == []
+
+
+def test_a_resume_record_that_cannot_be_read_is_named(tmp_path):
+    checkpoint = tmp_path / "kit-384.ckpt"
+    assert bench_train.read_resume_state(checkpoint) is None
+    checkpoint.write_bytes(b"weights")
+    with pytest.raises(KitError, match="kit-384.json"):
+        bench_train.read_resume_state(checkpoint)
+
+
 def test_the_kit_s_foreach_clipping_records_the_unclipped_norm(tmp_path, demo_dataset):
     """With ``use_foreach_loop`` the kit clips with its own norm; the rows still
     hold the unclipped norm OF3's clipping computes, and the same losses. The
