@@ -80,6 +80,21 @@ def same_inputs(a: Sequence[Mapping], b: Sequence[Mapping]) -> tuple[int, int]:
     return sum(x == y for x, y in shared), len(shared)
 
 
+def speedup(run: Sequence[Mapping], reference: Sequence[Mapping]) -> float | None:
+    """``reference``'s median step time over ``run``'s, both over the steady steps
+    (from :data:`STEADY_FROM`) the two runs share; None when they share none."""
+    walls = {row["step"]: row["wall_ms"] for row in run if row["step"] >= STEADY_FROM}
+    ref = {
+        row["step"]: row["wall_ms"] for row in reference if row["step"] >= STEADY_FROM
+    }
+    shared = sorted(set(walls) & set(ref))
+    if not shared:
+        return None
+    return statistics.median(ref[s] for s in shared) / statistics.median(
+        walls[s] for s in shared
+    )
+
+
 def steady_summary(run_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Median step time from step :data:`STEADY_FROM` on, and each part's share.
 
@@ -113,11 +128,13 @@ def steady_summary(run_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
     """A text table: per newest run its steady step time and shares, and for each
-    provider the loss and gradient-norm gap to ``stock-triton`` at the same crop,
-    with the number of steps on which both saw the same inputs (``inputs``)."""
+    provider against ``stock-triton`` at the same crop: the speed-up over the steps
+    both ran (``vs ref``, :func:`speedup`), the loss and gradient-norm gaps, and
+    the number of steps on which both saw the same inputs (``inputs``)."""
     runs = latest_runs(rows)
     lines = [
-        f"{'provider':<22}{'tokens':>7}{'steps':>6}{'median s':>10}{'data':>7}"
+        f"{'provider':<22}{'tokens':>7}{'steps':>6}{'median s':>10}{'vs ref':>8}"
+        f"{'data':>7}"
         f"{'fwd+bwd':>9}{'clip':>7}{'opt+ema':>9}{'other':>7}{'peak GiB':>10}"
         f"{'loss gap':>10}{'gnorm gap':>11}{'inputs':>9}"
     ]
@@ -128,8 +145,11 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
         name = provider + (f" ({label})" if label else "")
         reference = runs.get(("stock-triton", None, n_token))
         gaps = ["", "", ""]
+        ratio = ""
         if reference is not None and reference is not run_rows:
             equal, shared = same_inputs(run_rows, reference)
+            faster = speedup(run_rows, reference)
+            ratio = "" if faster is None else f"{faster:.2f}x"
             gaps = [
                 *(
                     _percent(max_relative_gap(run_rows, reference, field))
@@ -144,7 +164,7 @@ def format_summary(rows: Sequence[Mapping[str, Any]]) -> str:
         peak = summary["peak_gib"]
         lines.append(
             f"{name:<22}{n_token:>7}{len(run_rows):>6}"
-            f"{summary['median_ms'] / 1e3:>10.2f}"
+            f"{summary['median_ms'] / 1e3:>10.2f}{ratio:>8}"
             + "".join(
                 f"{shares[part]:>{width}.0%}"
                 for part, width in (

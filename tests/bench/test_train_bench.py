@@ -154,6 +154,8 @@ def test_latest_runs_and_summary_table(tmp_path):
     old = [_row("stock-triton", 384, s, date="2026-01-01", loss=9.0) for s in (1, 2)]
     new = [_row("stock-triton", 384, s, date="2026-02-01") for s in range(1, 13)]
     kit = [_row("kit", 384, s, loss=2.02, wall_ms=500.0) for s in range(1, 13)]
+    # Steps stock did not run: in the kit's median, not in its speed-up.
+    kit += [_row("kit", 384, s, loss=2.02, wall_ms=100.0) for s in range(13, 21)]
     repeat = [_row("stock-triton", 384, s, label="repeat") for s in range(1, 13)]
     rows = old + new + kit + repeat
     runs = train_report.latest_runs(rows)
@@ -163,8 +165,11 @@ def test_latest_runs_and_summary_table(tmp_path):
     kit[3]["input_digest"] = "another"
     table = train_report.format_summary(rows)
     kit_line = next(line for line in table.splitlines() if line.startswith("kit"))
-    assert "0.50" in kit_line and "1.0%" in kit_line  # median s; loss gap 1%
+    name, tokens, steps, median, faster = kit_line.split()[:5]
+    assert (steps, median, faster) == ("20", "0.10", "2.00x")  # 6-20; shared 6-12
+    assert "1.0%" in kit_line  # the loss gap
     assert kit_line.split()[-1] == "11/12"  # steps with the same inputs
+    assert train_report.speedup(kit, old) is None  # no steady step shared
     path = train_report.plot_runs(rows, tmp_path / "plot.png")
     assert path.stat().st_size > 0
 
