@@ -421,6 +421,8 @@ class _SkippingLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (a copy being built)
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
@@ -436,7 +438,8 @@ class _TimeBudget(pl.Callback):
 
 
 RESUME_STATE_KEY = "of3_megafold_bench_train"
-"""The checkpoint's entry for what Lightning does not keep: OF3's recycle draws."""
+"""The checkpoint's entry for what Lightning does not keep: the state of OF3's
+recycle-count generators and the seed the data loader started its epoch with."""
 
 
 class ResumableRun(pl.Callback):
@@ -504,6 +507,11 @@ class ResumableRun(pl.Callback):
         }
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if int(checkpoint["global_step"]) != self.resumed_step:
+            raise KitError(
+                f"{self.checkpoint} holds step {checkpoint['global_step']} but its "
+                f"run record step {self.resumed_step}; delete both to start afresh"
+            )
         saved = checkpoint.get(RESUME_STATE_KEY)
         if saved is None:  # a checkpoint of another origin
             return
