@@ -10,6 +10,8 @@
 # tests/kernels tests/extensions):
 #   bash tools/gpu_session.sh "tests.swiglu@300 tests/kernels/test_swiglu_transition.py -k gpu_" \
 #       "evoflash.every@150 --every-config --no-check --sizes --no-diffusion --no-trunk"
+#   bash tools/gpu_session.sh "bench-train.768@560 --provider stock-triton --tokens 768 \
+#       --steps 30 --max-minutes 6.5 --resume-dir /tmp/of3mf-resume"   # again to finish
 # Several sessions may run at once on a multi-GPU machine (CUDA_VISIBLE_DEVICES, own
 # OUT): the wheels are installed once.
 # The kit against cuEquivariance, DeepSpeed and Liger-Kernel: carry
@@ -56,6 +58,8 @@ if [ -d "$SITE/cutlass_library/source" ]; then
     # DeepSpeed's builder cannot parse the image's "9.0a"; the op has no sm_90a code
     export TORCH_CUDA_ARCH_LIST=9.0
 fi
+# OF3's experiment runner imports wandb, which the wheels leave out (logging is off)
+python3 -c "import wandb" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu_stubs"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 # EvoFlash keeps its autotuning choices in Triton's cache (cache_results): bring the
 # choices of an earlier machine (carried as .triton-autotune/) and send this
@@ -158,8 +162,9 @@ print(f'built in {time.time() - t:.0f} s')" ;;
         # the kit against cuEquivariance, DeepSpeed and Liger-Kernel (tools/gpu_rivals.py)
         # shellcheck disable=SC2086  # $extra: options for gpu_rivals.py
         rivals) run "$name" "${limit:-540}" python3 -m tools.gpu_rivals "$OUT" $extra ;;
-        bench-*) run "$step" "${limit:-300}" python3 -m of3_megafold.cli bench \
-            "${step#bench-}" --out-dir "$OUT" ;;  # not for bench-step: use step
+        # shellcheck disable=SC2086  # $extra: options for the bench subcommand
+        bench-*) run "$name" "${limit:-300}" python3 -m of3_megafold.cli bench \
+            "${step#bench-}" --out-dir "$OUT" $extra ;;  # not for bench-step: use step
         # shellcheck disable=SC2086  # $extra: options for gpu_step.py
         step) run "$name" "${limit:-540}" python3 -m tools.gpu_step "$OUT/$name.json" $extra ;;
         # one process per GPU (all of them, or SP_RANKS), sequence parallelism over all
