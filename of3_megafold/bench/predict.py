@@ -10,10 +10,14 @@ and confidence files are left out: host work, the same for every provider.
 The model is OF3's default model with the ``predict`` preset (chunk-size tuning,
 confidence heads offloaded above 2,800 tokens), its weights drawn at random with
 the run's seed (the same weights for every provider). OF3 initialises its output
-layers (the diffusion module's update, the confidence and distogram logits) to
-zero, which would make the predicted atoms depend on the noise alone; those are
-drawn at random too (:func:`randomize_zero_weights`), so every output depends on
-every module. The batch is ``random_of3_features(is_eval=True)``. Providers::
+layers (every residual block's output projection, the diffusion module's update,
+the confidence and distogram logits) to zero, which would make the trunk an
+identity and the predicted atoms depend on the noise alone; those are drawn at
+random too (:func:`randomize_zero_weights`), so every output depends on every
+module. They are drawn at :data:`OUTPUT_GAIN` of a unit-variance layer: at unit
+gain the 48 pairformer blocks over 4 recycles amplify any rounding until two
+kernel paths disagree by a quarter of the trunk's norm, and the comparison below
+would say nothing. The batch is ``random_of3_features(is_eval=True)``. Providers::
 
     stock         OF3's eval defaults without its Triton kernels (the CPU's)
     stock-triton  OF3's eval defaults: its Triton triangle kernels, what
@@ -25,8 +29,9 @@ Each prediction is reseeded, so providers draw the same diffusion noise; a row
 compares its outputs with the first provider's at the same size: ``si_rel_diff``
 (the trunk's single representation, relative L2) and ``positions_rms_a`` (the
 predicted atoms, RMS difference in Angstrom). Rows carry ``weights:
-"random-outputs"``; rows without it kept OF3's zero output layers, and their
-``positions_rms_a`` (0.0) compared nothing.
+"random-outputs"`` and the ``output_gain`` of the drawn layers; rows without the
+gain drew them at unit gain, and rows without ``weights`` kept OF3's zero output
+layers (their ``positions_rms_a``, 0.0, compared nothing).
 
 The largest size: after the fixed sizes, each provider walks ``--ladder`` upwards
 until a prediction runs out of memory (a row with ``status: "oom"``). The walk's
@@ -72,6 +77,12 @@ ALL_ON_YAML = Path(__file__).resolve().parents[2] / "runner_yamls" / "all_on.yml
 PROVIDERS = ("stock", "stock-triton", "kit")
 DEFAULT_LADDER = (1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120)
 SEED = 0
+OUTPUT_GAIN = 0.1
+"""Scale of OF3's zero-initialised layers when drawn, against ``N(0, 1 / fan_in)``.
+The full model at 32 tokens, fp32 on the CPU, with every weight then perturbed by
+1e-3 (relative): the trunk's single representation moves 0.12 (relative L2) at
+gain 1, 7.3e-3 at 0.3 and 2.5e-3 at 0.1, where a rounding difference stays of its
+own size."""
 
 
 def _eval_memory(flags: dict[str, Any]) -> dict:
@@ -142,7 +153,7 @@ class Predictor:
         self._reseed = seed_everything
         self.config = predict_model_config(provider, config, update)
         self.model = random_model(self.config, seed)
-        randomize_zero_weights(self.model, seed)
+        randomize_zero_weights(self.model, seed, OUTPUT_GAIN)
         self.model.to(self.device).eval()
 
     def batch(self, n_token: int, n_msa: int, n_templ: int) -> dict:
@@ -208,10 +219,12 @@ class Predictor:
         free_device_memory()
 
 
-def randomize_zero_weights(model: torch.nn.Module, seed: int) -> list[str]:
+def randomize_zero_weights(
+    model: torch.nn.Module, seed: int, gain: float = OUTPUT_GAIN
+) -> list[str]:
     """Draw every all-zero weight matrix of ``model`` (OF3's ``final``-initialised
-    output layers) from ``N(0, 1 / fan_in)``, in place, with a generator seeded by
-    ``seed``: the same values for every provider's model.
+    output layers) from ``N(0, gain^2 / fan_in)``, in place, with a generator seeded
+    by ``seed``: the same values for every provider's model.
 
     Returns:
         The names of the weights drawn.
@@ -223,7 +236,7 @@ def randomize_zero_weights(model: torch.nn.Module, seed: int) -> list[str]:
             if weight.dim() < 2 or weight.any():
                 continue
             values = torch.randn(weight.shape, generator=generator)
-            weight.copy_(values / weight.shape[-1] ** 0.5)
+            weight.copy_(values * (gain / weight.shape[-1] ** 0.5))
             drawn.append(name)
     return drawn
 
@@ -312,6 +325,7 @@ def run_predict_bench(
             "n_templ": n_templ,
             "precision": "bf16-autocast" if device == "cuda" else "fp32",
             "weights": "random-outputs",
+            "output_gain": OUTPUT_GAIN,
             **fields,
             **meta,
         }

@@ -56,6 +56,22 @@ def test_no_output_layer_is_left_at_zero_and_the_draw_is_seeded():
     assert any("plddt" in name or "pae" in name for name in drawn), drawn
 
 
+def test_the_drawn_layers_have_the_output_gain():
+    """The zero layers are drawn at ``gain / sqrt(fan_in)``, OUTPUT_GAIN by default."""
+    layer = torch.nn.Linear(256, 128, bias=False)
+    torch.nn.init.zeros_(layer.weight)
+    assert bench_predict.randomize_zero_weights(layer, 0, gain=0.5) == ["weight"]
+    assert layer.weight.std().item() == pytest.approx(0.5 / 256**0.5, rel=0.02)
+    torch.nn.init.zeros_(layer.weight)
+    bench_predict.randomize_zero_weights(layer, 0)
+    expected = bench_predict.OUTPUT_GAIN / 256**0.5
+    assert layer.weight.std().item() == pytest.approx(expected, rel=0.02)
+    # A weight that is not all zero is left as it is.
+    before = layer.weight.clone()
+    assert bench_predict.randomize_zero_weights(layer, 1) == []
+    assert torch.equal(layer.weight, before)
+
+
 def test_walk_ladder_stops_at_the_first_out_of_memory():
     tried = []
 
@@ -148,6 +164,8 @@ def test_quick_command_writes_rows_and_a_summary(tmp_path):
     ]
     for field in ("gpu", "commit", "date", "torch", "openfold3"):
         assert field in rows[0]
+    assert rows[0]["weights"] == "random-outputs"
+    assert rows[0]["output_gain"] == bench_predict.OUTPUT_GAIN
     assert "provider" in result.output and "stock" in result.output
 
 
