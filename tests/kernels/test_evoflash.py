@@ -498,6 +498,26 @@ def test_fully_masked_slice_is_uniform(device):
     torch.testing.assert_close(dq, dq_ref, **fp32_tol(1e-5, 1e-4))
 
 
+def test_keys_masked_twice_weigh_nothing_beside_keys_masked_once(device):
+    """A query with every key masked, some of them twice (OF3's -1e9 plus another
+    -2e9, as sequence parallelism masks padding keys): uniform over the keys masked
+    once, as OF3's fp32 softmax gives, forward and backward."""
+    case = Case(1, 2, 17, 2, 16)
+    q, k, v, _, pair_bias, do = make_inputs(case, device, seed=5)
+    mask_bias = torch.zeros(1, 2, 1, 1, 17, device=device)
+    mask_bias[:, 1] = -INF
+    mask_bias[..., 12:] -= 2 * INF  # both slices: padding keys
+    o = evoflash_attention(q, k, v, mask_bias, pair_bias)
+    once = v[:, 1, :12].mean(dim=1, keepdim=True).expand_as(o[:, 1])
+    torch.testing.assert_close(o[:, 1], once, **fp32_tol(1e-5, 1e-5))
+    o_ref = evoflash_attention_reference(q, k, v, mask_bias, pair_bias)
+    torch.testing.assert_close(o, o_ref, **fp32_tol(1e-5, 1e-5))
+    grads = torch.autograd.grad(o, (q, k, v, pair_bias), do)
+    grads_ref = torch.autograd.grad(o_ref, (q, k, v, pair_bias), do)
+    for got, want in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, **fp32_tol(1e-5, 1e-4))
+
+
 def test_minus_inf_mask_gives_uniform_weights(device):
     """An all -inf key mask: uniform weights (torch would give NaN), finite grads."""
     case = Case(1, 2, 17, 1, 16, mask="none")

@@ -114,11 +114,15 @@ def _load_key_mask(
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """The key mask ``mask_bias[b, s, j]`` for keys ``offs_n`` in fp32, ``-inf``
-    past N. Read in its own dtype; values below -2^29 (OF3's -1e9, or -inf) are
-    pinned to -2^30: like -1e9 in fp32 it swallows any logit below 32 in magnitude,
-    so a query whose keys are all masked sees equal logits and uniform weights, as
-    in OF3; being a power of two, its product with log2(e) is exact, so those logits
-    stay equal whether the compiler fuses ``s * log2(e) - c`` into one FMA or not."""
+    past N. Read in its own dtype; values below -2^29 (OF3's -1e9) are pinned to
+    -2^30: like -1e9 in fp32 it swallows any logit below 32 in magnitude, so a query
+    whose keys are all masked sees equal logits and uniform weights, as in OF3;
+    being a power of two, its product with log2(e) is exact, so those logits stay
+    equal whether the compiler fuses ``s * log2(e) - c`` into one FMA or not.
+    Values below -2^31 (a second mask added to OF3's, as sequence parallelism does
+    for padding keys, or -inf) are pinned to -2^32: next to a -2^30 key they weigh
+    nothing, as in OF3's fp32 softmax, and a query whose keys are all there is
+    uniform over them."""
     if HAS_MASK:
         ptrs = (
             MASK
@@ -130,7 +134,8 @@ def _load_key_mask(
             m = tl.load(ptrs).to(tl.float32)
         else:
             m = tl.load(ptrs, mask=offs_n < N, other=0.0).to(tl.float32)
-        m = tl.where(m < -536870912.0, -1073741824.0, m)
+        pinned = tl.where(m < -2147483648.0, -4294967296.0, -1073741824.0)
+        m = tl.where(m < -536870912.0, pinned, m)
         if not EVEN_N:
             m = tl.where(offs_n < N, m, float("-inf"))
     else:

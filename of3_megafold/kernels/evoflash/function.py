@@ -561,8 +561,11 @@ def evoflash_attention(
         mask_bias: optional additive mask broadcastable to ``[B, S, 1, 1, N]``
             (OF3: ``1e9 * (mask - 1)``). Values below -2^29 act as -2^30, which
             swallows the logits as OF3's fp32 -1e9 does: a query whose keys are all
-            masked gets uniform weights, as in OF3 (also for -inf, where torch
-            gives NaN). Not differentiated (its gradient is None).
+            masked gets uniform weights, as in OF3. Values below -2^31 (a second
+            -1e9 or more on top, or -inf) act as -2^32: beside a -2^30 key they
+            weigh nothing, as in OF3's fp32 softmax, and a query whose keys are all
+            that low gets uniform weights over them (torch gives NaN for -inf).
+            Not differentiated (its gradient is None).
         pair_bias: optional bias broadcastable to ``[B, S, H, N, N]``, typically
             ``[B, 1, H, N, N]``; its gradient is reduced over what it broadcasts.
         scale: logit scale, default ``D ** -0.5``.
