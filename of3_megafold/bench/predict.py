@@ -35,9 +35,11 @@ layers (their ``positions_rms_a``, 0.0, compared nothing).
 
 The largest size: after the fixed sizes, each provider walks ``--ladder`` upwards
 until a prediction runs out of memory (a row with ``status: "oom"``). The walk's
-predictions roll out ``--ladder-rollout-steps`` steps (20) instead of 200: the
-rollout repeats one step, whose activations are freed before the next, so the
-count changes the time, not the peak; every row records its ``rollout_steps``.
+predictions roll out ``--ladder-rollout-steps`` steps (20) instead of 200 and run
+``--ladder-recycles`` recycles (0) instead of 3: the rollout repeats one step and
+the trunk one cycle, each without autograd, whose activations are freed before
+the next, so the counts change the time, not the peak; every row records its
+``rollout_steps`` and ``recycles``.
 The walk stops early, with a ``status: "skipped"`` row saying why, when the next
 size's predicted time (the last time scaled by the cube of the size ratio; the
 first rung is scaled from the last fixed size, at its full rollout) would overrun
@@ -202,17 +204,25 @@ class Predictor:
         """The diffusion rollout's step count of the next prediction."""
         return int(self.model.shared.diffusion.no_full_rollout_steps)
 
+    @property
+    def recycles(self) -> int:
+        """The trunk's recycles in the next prediction."""
+        return int(self.model.shared.num_recycles)
+
     @contextlib.contextmanager
-    def rollout_steps_set(self, steps: int | None) -> Iterator[None]:
-        """Within, predictions roll out ``steps`` steps (None: the config's)."""
-        diffusion = self.model.shared.diffusion
-        before = diffusion.no_full_rollout_steps
+    def shortened(self, steps: int | None, recycles: int | None) -> Iterator[None]:
+        """Within, predictions roll out ``steps`` steps and run ``recycles``
+        recycles (None: the config's)."""
+        shared = self.model.shared
+        before = shared.diffusion.no_full_rollout_steps, shared.num_recycles
         if steps is not None:
-            diffusion.no_full_rollout_steps = steps
+            shared.diffusion.no_full_rollout_steps = steps
+        if recycles is not None:
+            shared.num_recycles = recycles
         try:
             yield
         finally:
-            diffusion.no_full_rollout_steps = before
+            shared.diffusion.no_full_rollout_steps, shared.num_recycles = before
 
     def close(self) -> None:
         del self.model
@@ -299,6 +309,7 @@ def run_predict_bench(
     *,
     ladder: Sequence[int] = (),
     ladder_rollout_steps: int | None = 20,
+    ladder_recycles: int | None = 0,
     budget_s: float = 600.0,
     n_msa: int = 16,
     n_templ: int = 2,
@@ -339,7 +350,7 @@ def run_predict_bench(
             _run_provider(
                 predictor,
                 sizes,
-                (ladder, ladder_rollout_steps),
+                (ladder, ladder_rollout_steps, ladder_recycles),
                 budget_s,
                 (n_msa, n_templ),
                 references,
@@ -353,7 +364,7 @@ def run_predict_bench(
 def _run_provider(
     predictor: Predictor,
     sizes: Sequence[int],
-    ladder: tuple[Sequence[int], int | None],
+    ladder: tuple[Sequence[int], int | None, int | None],
     budget_s: float,
     msa_templ: tuple[int, int],
     references: dict[int, Prediction],
@@ -361,7 +372,8 @@ def _run_provider(
 ) -> None:
     """One provider: a warm-up and a timed prediction at each of ``sizes``, the
     outputs compared with ``references`` (the first provider's, filled in by it),
-    then the ladder walk (its sizes and rollout steps), one prediction per size."""
+    then the ladder walk (its sizes, rollout steps and recycles), one prediction
+    per size."""
 
     def timed(n_token: int, warm_up: bool) -> Prediction:
         batch = predictor.batch(n_token, *msa_templ)
@@ -377,6 +389,7 @@ def _run_provider(
             "ms": round(result.ms, 1),
             "peak_gib": peak,
             "rollout_steps": predictor.rollout_steps,
+            "recycles": predictor.recycles,
         }
 
     last = None
@@ -394,8 +407,8 @@ def _run_provider(
         write({**fields(n_token, result), "ladder": True})
         return result.ms / 1e3
 
-    sizes, steps = ladder
-    with predictor.rollout_steps_set(steps):
+    sizes, steps, recycles = ladder
+    with predictor.shortened(steps, recycles):
         for outcome in walk_ladder(attempt, sizes, budget_s, last):
             free_device_memory()
             if outcome["status"] != "ok":
@@ -480,6 +493,13 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     help="Diffusion rollout steps of the ladder's predictions (time, not memory).",
 )
 @click.option(
+    "--ladder-recycles",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Trunk recycles of the ladder's predictions (time, not memory).",
+)
+@click.option(
     "--budget-minutes",
     type=float,
     default=10.0,
@@ -493,7 +513,14 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     help="The tiny model on the CPU, 4 rollout steps, 16 and 24 tokens, no ladder.",
 )
 def predict_command(
-    providers, tokens, ladder, ladder_rollout_steps, budget_minutes, out_dir, quick
+    providers,
+    tokens,
+    ladder,
+    ladder_rollout_steps,
+    ladder_recycles,
+    budget_minutes,
+    out_dir,
+    quick,
 ):
     """Time OF3's inference, stock and kit, and find each one's largest query."""
     from of3_megafold import activate
@@ -529,6 +556,7 @@ def predict_command(
             out_json,
             ladder=ladder_sizes,
             ladder_rollout_steps=ladder_rollout_steps,
+            ladder_recycles=ladder_recycles,
             budget_s=budget_minutes * 60,
             device=device,
             config=config,

@@ -124,29 +124,49 @@ def test_two_runs_of_one_provider_predict_the_same(tmp_path):
     assert read_rows(out) == rows
 
 
-def test_the_ladder_predicts_with_fewer_rollout_steps(tmp_path):
-    """Ladder rows roll out ``ladder_rollout_steps`` steps; the fixed sizes keep the
-    config's count."""
+def test_the_ladder_predicts_with_fewer_rollout_steps_and_recycles(
+    tmp_path, monkeypatch
+):
+    """Ladder rows roll out ``ladder_rollout_steps`` steps and run
+    ``ladder_recycles`` recycles; the fixed sizes keep the config's counts, and the
+    model has them back after the walk."""
     out = tmp_path / bench_predict.JSON_NAME
+    predictors = []
+
+    class Recorded(bench_predict.Predictor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            predictors.append(self)
+
+        def close(self):
+            self.after = (self.rollout_steps, self.recycles)
+            super().close()
+
+    monkeypatch.setattr(bench_predict, "Predictor", Recorded)
     rows = bench_predict.run_predict_bench(
         ["stock"],
         [16],
         out,
         ladder=[24, 32],
         ladder_rollout_steps=2,
+        ladder_recycles=0,
         device="cpu",
         config="tiny",
         update=FEW_ROLLOUT_STEPS,
     )
+    recycles = rows[0]["recycles"]
+    assert recycles > 0
     assert [
-        (r["n_token"], r.get("ladder", False), r["rollout_steps"]) for r in rows
+        (r["n_token"], r.get("ladder", False), r["rollout_steps"], r["recycles"])
+        for r in rows
     ] == [
-        (16, False, 4),
-        (24, True, 2),
-        (32, True, 2),
+        (16, False, 4, recycles),
+        (24, True, 2, 0),
+        (32, True, 2, 0),
     ]
     assert all(row["status"] == "ok" for row in rows)
     assert "largest: 32" in bench_predict.format_summary(rows)
+    assert predictors[0].after == (4, recycles)
 
 
 def test_quick_command_writes_rows_and_a_summary(tmp_path):
