@@ -31,6 +31,17 @@ def device() -> str:
     return DEVICE
 
 
+@pytest.fixture
+def interpreted_kernels():
+    """Skip unless the kit's kernels take CPU tensors here. Without the interpreter
+    (a GPU machine) CPU tensors take OF3's own path, so a kit-vs-OF3 comparison
+    would compare OF3 with itself."""
+    from of3_megafold.kernels.backend import runs_on
+
+    if not runs_on(torch.empty(0)):
+        pytest.skip("the kernels take CPU tensors only with TRITON_INTERPRET=1")
+
+
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory) -> Path:
     """A demo set built from the installed openfold3's test data, in a tmp dir, once

@@ -155,7 +155,7 @@ class Predictor:
         self._reseed = seed_everything
         self.config = predict_model_config(provider, config, update)
         self.model = random_model(self.config, seed)
-        randomize_zero_weights(self.model, seed, OUTPUT_GAIN)
+        randomize_zero_weights(self.model, seed)
         self.model.to(self.device).eval()
 
     def batch(self, n_token: int, n_msa: int, n_templ: int) -> dict:

@@ -2,7 +2,6 @@
 interpreter (CI and pixi's ``cpu`` environment set ``TRITON_INTERPRET=1``)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture
@@ -14,17 +13,6 @@ def kit():
     activate()
     yield
     activate()
-
-
-@pytest.fixture
-def interpreted_kernels():
-    """Skip unless the kit's kernels take CPU tensors here. Without the interpreter
-    (a GPU machine) CPU tensors take OF3's own path, so a kit-vs-OF3 comparison
-    would compare OF3 with itself."""
-    from of3_megafold.kernels.backend import runs_on
-
-    if not runs_on(torch.empty(0)):
-        pytest.skip("the kernels take CPU tensors only with TRITON_INTERPRET=1")
 
 
 @pytest.fixture

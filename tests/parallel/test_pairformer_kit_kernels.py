@@ -134,10 +134,7 @@ def _kit_kernels_body(rank, world_size, seed):
         assert error <= 1.2 * of3_error + FLOOR, f"{what}: {error:.2e}, {of3_error:.2e}"
 
 
+@pytest.mark.usefixtures("interpreted_kernels")
 def test_the_kit_kernels_run_inside_the_shards(tmp_path):
-    from of3_megafold.kernels.backend import runs_on
-
-    if not runs_on(torch.empty(0)):
-        pytest.skip("the kernels take CPU tensors only with TRITON_INTERPRET=1")
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     run_on_ranks(_kit_kernels_body, 2, tmp_path, seed)
