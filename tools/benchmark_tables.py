@@ -59,7 +59,7 @@ def kernel_cell(row: Row) -> str:
 
 
 def step_cell(row: Row) -> str:
-    """``s / GiB`` of a training-step row (median step, peak memory)."""
+    """``s / GiB`` of a training-step or prediction row (time, peak memory)."""
     failure = _failure(row)
     if failure:
         return failure
@@ -203,6 +203,16 @@ TABLES: tuple[Table, ...] = (
         include=lambda row: row.get("mode") == "step_sp",
         cell=step_cell,
         labels=("tokens", "GPUs", "recycles"),
+    ),
+    Table(
+        "predict",
+        "predict",
+        ("n_token", "rollout_steps", "recycles"),
+        ("kit", "stock-triton", "stock"),
+        include=lambda row: row.get("output_gain") == 0.1,
+        cell=step_cell,
+        ratio=("stock-triton", "kit"),
+        labels=("tokens", "rollout steps", "recycles"),
     ),
     Table(
         "features",
