@@ -55,7 +55,7 @@ def sweep(n: int) -> dict[str, list[tuple[dict, float]]]:
             fn._out_blocks,
             lambda: fn.out_bwd(dout, p, proj, ln_w, ln_b, w_z, 1e-5),
         ),
-        "gate_fwd": (fn._gate_blocks, lambda: fn.gate_fwd(proj, mask, 1, n, c)),
+        "gate_fwd": (fn._gate_blocks, lambda: fn.gate_fwd(proj, mask, 1, (n, n), c)),
         "gate_bwd": (fn._gate_blocks, lambda: fn.gate_bwd(proj, mask, da, db, c)),
     }
     timings = {}

@@ -34,7 +34,9 @@ _BIAS_FREE = ("linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g"
               "linear_z")
 
 
-def _fused(module: Any, z, inplace_safe: bool, use_cueq: bool) -> bool:
+def _fused(
+    module: Any, z, inplace_safe: bool, use_cueq: bool, shard: bool = False
+) -> bool:
     """Whether this call takes the fused kernels (see the module docstring)."""
     if inplace_safe or use_cueq or not registry.module_enabled(module, NAME, FLAG):
         return False
@@ -47,10 +49,25 @@ def _fused(module: Any, z, inplace_safe: bool, use_cueq: bool) -> bool:
         return False
     from of3_megafold.kernels.triangle_multiplication import function as kernels
 
-    ok, _ = kernels.supports(z, module.c_hidden)
+    ok, _ = kernels.supports(z, module.c_hidden, shard=shard)
     if not ok and z.dtype in kernels.DTYPES and not runs_on(z):
         registry.log_device_fallback(NAME, z.device.type)
     return ok
+
+
+def _run_fused(module: Any, z, mask, exchange=None):
+    from of3_megafold.kernels.triangle_multiplication.function import (
+        fused_triangle_multiplication,
+    )
+
+    ln_in, ln_out = module.layer_norm_in, module.layer_norm_out
+    return fused_triangle_multiplication(
+        z, mask, ln_in.weight, ln_in.bias,
+        module.linear_a_p.weight, module.linear_a_g.weight,
+        module.linear_b_p.weight, module.linear_b_g.weight, module.linear_g.weight,
+        ln_out.weight, ln_out.bias, module.linear_z.weight,
+        outgoing=module._outgoing, eps=ln_in.eps, exchange=exchange,
+    )
 
 
 def _patch_forward(original):
@@ -59,20 +76,28 @@ def _patch_forward(original):
         if not _fused(self, z, inplace_safe, use_cueq_triangle_kernels):
             return original(self, z, mask, inplace_safe, use_cueq_triangle_kernels,
                             *args, **kwargs)
-        from of3_megafold.kernels.triangle_multiplication.function import (
-            fused_triangle_multiplication,
-        )
-
-        ln_in, ln_out = self.layer_norm_in, self.layer_norm_out
-        return fused_triangle_multiplication(
-            z, mask, ln_in.weight, ln_in.bias,
-            self.linear_a_p.weight, self.linear_a_g.weight,
-            self.linear_b_p.weight, self.linear_b_g.weight, self.linear_g.weight,
-            ln_out.weight, ln_out.bias, self.linear_z.weight,
-            outgoing=self._outgoing, eps=ln_in.eps,
-        )
+        return _run_fused(self, z, mask)
 
     return forward
+
+
+def sharded_update(module: Any, z, mask, exchange):
+    """The fused update of this rank's shard of ``z`` under sequence parallelism,
+    or ``None`` where the module takes OF3's path (the key off, or a case
+    :func:`_fused` refuses).
+
+    Args:
+        module: OF3's ``TriangleMultiplicationOutgoing`` / ``Incoming``.
+        z: ``[*, N/P, N, C_z]`` (outgoing) or ``[*, N, N/P, C_z]`` (incoming).
+        mask: the matching pair-mask shard, ``[*, N/P, N]`` or ``[*, N, N/P]``.
+        exchange: the SP group's collectives (``parallel.comm.GroupExchange``).
+
+    Returns:
+        The update, shaped like ``z``, or ``None``.
+    """
+    if not _fused(module, z, False, False, shard=True):
+        return None
+    return _run_fused(module, z, mask, exchange)
 
 
 EXTENSION = registry.register(

@@ -253,6 +253,22 @@ def start_gather_for_local_use(
     return PendingGather(x, dim, group)
 
 
+class GroupExchange:
+    """The collectives a sharded fused kernel calls inside its own autograd
+    function (``of3_megafold.kernels.triangle_multiplication``'s ``ShardExchange``):
+    plain all-gather and reduce-scatter over ``group``, with no autograd of their
+    own."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _all_gather(t, dim, self.group)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _reduce_scatter(t, dim, self.group)
+
+
 def swap_shard_axis(
     x: torch.Tensor, from_dim: int, to_dim: int, group: Group
 ) -> torch.Tensor:

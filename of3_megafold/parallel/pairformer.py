@@ -18,8 +18,9 @@ One block, in OF3's op order (``PairBlock`` then ``PairFormerBlock``)::
     APB on s      rows      local query rows of s, all keys; gather the output rows
     transition on s         replicated
 
-The triangle multiplications always take OF3's plain PyTorch path here (OF3's fused
-cuEquivariance/Triton trimul kernels take the whole ``z``); the attention kernel
+The triangle multiplications take the kit's fused kernels on the shard when its key
+(``use_evofusion_triangle_multiplication``) is on, else OF3's plain PyTorch path
+(OF3's cuEquivariance/Triton trimul kernels take the whole ``z``); the attention kernel
 flags (DeepSpeed evo attention, cuEquivariance, Triton, LMA) and chunking are passed
 to OF3's ``Attention`` as OF3 does. In-place inference updates are not used.
 """
@@ -31,9 +32,11 @@ from functools import partial
 import torch
 
 from of3_megafold.parallel.comm import (
+    GroupExchange,
     average_over_sp,
     gather_for_local_use,
     gather_from_sp,
+    group_size,
     scatter_to_sp,
     start_gather_for_local_use,
     swap_shard_axis,
@@ -61,8 +64,10 @@ def sharded_triangle_multiplication(
 
     Outgoing, ``x_ij = sum_k a_ik b_jk``, on a row shard: every rank needs ``b`` for
     all rows ``j``. Incoming, ``x_ij = sum_k a_ki b_kj``, on a column shard: every
-    rank needs ``a`` for all columns ``i``. The needed operand is gathered with
-    :func:`gather_for_local_use`; the rest is OF3's forward.
+    rank needs ``a`` for all columns ``i``. With the kit's fused kernels on, they
+    compute the shard and gather that operand themselves
+    (``evofusion_triangle_multiplication.sharded_update``); otherwise it is gathered
+    with :func:`start_gather_for_local_use` and the rest is OF3's forward.
 
     Args:
         module: OF3's ``TriangleMultiplicationOutgoing`` / ``Incoming`` (or the fused
@@ -73,6 +78,13 @@ def sharded_triangle_multiplication(
     Returns:
         The update, shaped like ``z``.
     """
+    from of3_megafold.extensions import evofusion_triangle_multiplication as fused
+
+    group = shards.group
+    exchange = GroupExchange(group) if group_size(group) > 1 else None
+    update = fused.sharded_update(module, z, mask, exchange)
+    if update is not None:
+        return update
     mask = mask.unsqueeze(-1)
     z = module.layer_norm_in(z)
     a, b = _projections(module, z, mask)

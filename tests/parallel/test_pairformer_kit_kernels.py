@@ -1,15 +1,16 @@
-"""The kit's kernels inside the shards: EvoFlash triangle attention and the
-EvoFusion transitions (with their 16-bit LayerNorm) run in the sharded PairFormer
-block.
+"""The kit's kernels inside the shards: EvoFlash triangle attention, the EvoFusion
+transitions (with their 16-bit LayerNorm) and the fused triangle multiplications run
+in the sharded PairFormer block.
 
 On 2 gloo processes under bf16 autocast (how Lightning's bf16-mixed trains OF3),
-with both extensions forced and the kernels interpreted on the CPU
+with the extensions forced and the kernels interpreted on the CPU
 (``TRITON_INTERPRET=1``): the kernels run on every rank, as often as in one
 process, and the sharded block's outputs and gradients are as close to OF3's block
 in float64 as OF3's own path in the same shards is (within 1.2x its error). N = 7
-on 2 ranks, so a padding key is masked on top of a masked token's keys. Where the
-shards keep OF3's path (the triangle multiplications, the single attention):
-docs/extensions/sequence_parallel.md.
+on 2 ranks, so a padding key is masked on top of a masked token's keys. The fused
+triangle multiplication takes 16-bit pair activations only, so its case feeds the
+block bf16 ``s`` and ``z``. Where the shards keep OF3's path (the single
+attention): docs/extensions/sequence_parallel.md.
 """
 
 import copy
@@ -28,7 +29,28 @@ from tests.parallel.test_pairformer import (
     world_average,
 )
 
-FORCED = ("evoflash_attention", "evofusion_transitions")
+# Per case: the extensions forced, whether ``s`` and ``z`` enter in bf16, and the
+# kit's autograd functions applied in one forward of the block, in one process
+# (``LayerNormFunction``: at least).
+CASES = {
+    "attention_and_transitions": (
+        ("evoflash_attention", "evofusion_transitions"),
+        False,
+        # both triangle attentions and the single attention on EvoFlash, both
+        # transitions on EvoFusion
+        {
+            "EvoFlashAttentionFunction": 1,
+            "EvoFlashProjectedAttentionFunction": 2,
+            "SwiGLUTransitionFunction": 2,
+            "LayerNormFunction": 2,
+        },
+    ),
+    "triangle_multiplication": (
+        ("evofusion_triangle_multiplication",),
+        True,
+        {"TriangleMultiplicationFunction": 2},
+    ),
+}
 FLOOR = 1e-4
 
 
@@ -40,12 +62,16 @@ def _counting(calls: dict):
     )
     from of3_megafold.kernels.layer_norm.function import LayerNormFunction
     from of3_megafold.kernels.swiglu_transition import SwiGLUTransitionFunction
+    from of3_megafold.kernels.triangle_multiplication.function import (
+        TriangleMultiplicationFunction,
+    )
 
     for cls in (
         EvoFlashAttentionFunction,
         EvoFlashProjectedAttentionFunction,
         LayerNormFunction,
         SwiGLUTransitionFunction,
+        TriangleMultiplicationFunction,
     ):
         apply = cls.apply
 
@@ -72,11 +98,14 @@ def _bf16(forward):
     return wrapped
 
 
-def _kit_kernels_body(rank, world_size, seed):
+def _kit_kernels_body(rank, world_size, seed, case):
     from of3_megafold import activate
 
+    forced, bf16_inputs, expected = CASES[case]
     group = dist.new_group(list(range(world_size)))
     inputs, grads = make_inputs(seed)
+    if bf16_inputs:
+        inputs = (inputs[0].bfloat16(), inputs[1].bfloat16(), *inputs[2:])
     # A masked token: its pair row's triangle attention has every key masked,
     # and in the shards the padding key masked on top of that.
     token_mask, pair_mask = inputs[2], inputs[3]
@@ -85,7 +114,7 @@ def _kit_kernels_body(rank, world_size, seed):
     block = make_block(seed).eval()
 
     def sharded(kit: bool):
-        activate(force=FORCED if kit else ())
+        activate(force=forced if kit else ())
         module = copy.deepcopy(block)
         out, in_grads, par = run(
             _bf16(sharded_forward([module], group)), [module], inputs, grads
@@ -103,7 +132,7 @@ def _kit_kernels_body(rank, world_size, seed):
     )
     calls: dict = {}
     _counting(calls)
-    activate(force=FORCED)
+    activate(force=forced)
     single = copy.deepcopy(block)
     run(_bf16(stock_forward([single])), [single], inputs, grads)
     one_process = dict(calls)
@@ -112,14 +141,13 @@ def _kit_kernels_body(rank, world_size, seed):
     in_shards = dict(calls)
     of3 = sharded(kit=False)
 
-    # In one process: both triangle attentions and the single attention on
-    # EvoFlash, both transitions and the 16-bit LayerNorms on EvoFusion. In the
-    # shards the same, except the single attention: its queries are this rank's
-    # rows and its keys all tokens, a rectangle the kernel does not take.
-    assert one_process.pop("EvoFlashAttentionFunction", 0) == 1, one_process
-    assert one_process.get("EvoFlashProjectedAttentionFunction") == 2, one_process
-    assert one_process.get("SwiGLUTransitionFunction") == 2, one_process
-    assert one_process.get("LayerNormFunction", 0) >= 2, one_process
+    for name, count in expected.items():
+        at_least = name == "LayerNormFunction"
+        got = one_process.get(name, 0)
+        assert got >= count if at_least else got == count, (name, one_process)
+    # In the shards the same, except the single attention: its queries are this
+    # rank's rows and its keys all tokens, a rectangle the kernel does not take.
+    one_process.pop("EvoFlashAttentionFunction", None)
     assert in_shards == one_process, (in_shards, one_process)
     # Against float64, the kit's kernels in the shards are as accurate as OF3's
     # path in the same shards (bf16 partial gradients summed across ranks included).
@@ -135,6 +163,7 @@ def _kit_kernels_body(rank, world_size, seed):
 
 
 @pytest.mark.usefixtures("interpreted_kernels")
-def test_the_kit_kernels_run_inside_the_shards(tmp_path):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kit_kernels_run_inside_the_shards(case, tmp_path):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    run_on_ranks(_kit_kernels_body, 2, tmp_path, seed)
+    run_on_ranks(_kit_kernels_body, 2, tmp_path, seed, case)

@@ -16,11 +16,19 @@ trip, and keeps most of them for its backward. This forward keeps ``z``, the inp
 LayerNorm's fp32 statistics and ``p``; the backward recomputes ``x``, the
 projections and ``a``/``b`` (one LayerNorm, one GEMM and one elementwise pass) and
 writes the projections' gradients over the recomputed projections.
+
+On a shard of ``z`` (sequence parallelism: rows ``[*, N/P, N, C_z]`` for the
+outgoing update, columns ``[*, N, N/P, C_z]`` for the incoming one) the same
+kernels run on the local positions, and a :class:`ShardExchange` completes the one
+operand the product needs whole (``b`` outgoing, ``a`` incoming) between steps 2
+and 3; the backward gathers it again and sums its gradient back onto the shards.
+The kernels themselves know nothing of the shards or of ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +63,19 @@ _gate_fwd = TunedKernel(_gate_fwd_kernel)
 _gate_bwd = TunedKernel(_gate_bwd_kernel)
 _out_fwd = TunedKernel(_out_fwd_kernel)
 _out_bwd = TunedKernel(_out_bwd_kernel)
+
+
+class ShardExchange(Protocol):
+    """The collectives of a sharded update (``of3_megafold.parallel.comm`` builds
+    one for a sequence-parallel group)."""
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``t``, concatenated along ``dim`` in rank order."""
+        ...
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice along ``dim`` of the sum of every rank's ``t``."""
+        ...
 
 
 def _gate_blocks(ch: int) -> dict:
@@ -96,12 +117,17 @@ def _out_launch(blocks: dict, r: int, batch: int, device: torch.device):
 
 
 def gate_fwd(
-    proj: torch.Tensor, mask: torch.Tensor | None, batch: int, n: int, ch: int
+    proj: torch.Tensor,
+    mask: torch.Tensor | None,
+    batch: int,
+    positions: tuple[int, int],
+    ch: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a``, ``b`` ``[batch, ch, n, n]`` from ``proj`` ``[batch n n, 4 ch + c_z]``
-    and ``mask`` ``[batch n n]`` (or ``None``)."""
-    r = n * n
-    a_t = proj.new_empty((batch, ch, n, n))
+    """``a``, ``b`` ``[batch, ch, n_i, n_j]`` from ``proj`` ``[batch n_i n_j, 4 ch +
+    c_z]`` and ``mask`` ``[batch n_i n_j]`` (or ``None``); ``positions`` is
+    ``(n_i, n_j)``."""
+    r = positions[0] * positions[1]
+    a_t = proj.new_empty((batch, ch, *positions))
     b_t = torch.empty_like(a_t)
     grid, blocks = _gate_launch(r, ch, batch)
     _gate_fwd[grid](
@@ -119,9 +145,9 @@ def gate_bwd(
     ch: int,
 ) -> None:
     """Overwrite ``proj``'s ``a_p | a_g | b_p | b_g`` slots with their gradients,
-    given ``dA``/``dB`` ``[batch, ch, n, n]``."""
-    batch, _, n, _ = da_t.shape
-    r = n * n
+    given ``dA``/``dB`` ``[batch, ch, n_i, n_j]``."""
+    batch, _, n_i, n_j = da_t.shape
+    r = n_i * n_j
     grid, blocks = _gate_launch(r, ch, batch)
     _gate_bwd[grid](
         proj, mask if mask is not None else proj, da_t, db_t, r, ch, proj.stride(0),
@@ -137,12 +163,12 @@ def out_fwd(
     w_z: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    """``(LN_out(p) W_z^T) sigmoid(g)``, ``[batch n n, c_z]``, from ``p``
-    ``[batch, ch, n, n]`` and the gate's columns of ``proj`` ``[batch n n, 4 ch +
-    c_z]``."""
-    batch, ch, n, _ = p.shape
+    """``(LN_out(p) W_z^T) sigmoid(g)``, ``[batch n_i n_j, c_z]``, from ``p``
+    ``[batch, ch, n_i, n_j]`` and the gate's columns of ``proj`` ``[batch n_i n_j,
+    4 ch + c_z]``."""
+    batch, ch, n_i, n_j = p.shape
     cz = w_z.shape[0]
-    r = n * n
+    r = n_i * n_j
     out = p.new_empty((batch * r, cz))
     grid, tiles, meta = _out_launch(_out_blocks(ch, cz, False), r, batch, p.device)
     _out_fwd[grid](
@@ -163,9 +189,9 @@ def out_bwd(
     """Backward of :func:`out_fwd`: writes ``d(g)`` over ``proj``'s gate columns;
     returns ``dP`` (``p``'s layout), ``dW_z`` and the fp32 LayerNorm weight and bias
     gradients."""
-    batch, ch, n, _ = p.shape
+    batch, ch, n_i, n_j = p.shape
     cz = w_z.shape[0]
-    r = n * n
+    r = n_i * n_j
     grid, tiles, meta = _out_launch(_out_blocks(ch, cz, True), r, batch, p.device)
     dp = torch.empty_like(p)
     dy = p.new_empty((batch * r, cz))
@@ -181,40 +207,58 @@ def out_bwd(
 
 
 def _bmm_operands(t: torch.Tensor) -> torch.Tensor:
-    batch, ch, n, _ = t.shape
-    return t.view(batch * ch, n, n)
+    batch, ch, n_i, n_j = t.shape
+    return t.view(batch * ch, n_i, n_j)
+
+
+def _channels(t3: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A batched GEMM's ``[batch ch, n_i, n_j]`` result as ``[batch, ch, n_i, n_j]``."""
+    return t3.view(*like.shape[:2], *t3.shape[1:])
 
 
 def _product(a_t, b_t, outgoing):
-    """``p = a b^T`` (outgoing) or ``a^T b`` (incoming), per channel."""
+    """``p = a b^T`` (outgoing) or ``a^T b`` (incoming), per channel. On a shard
+    the whole operand is ``[*, N, N]`` and the other ``[*, N/P, N]`` (outgoing) or
+    ``[*, N, N/P]`` (incoming); ``p`` has the shard's shape."""
     a3, b3 = _bmm_operands(a_t), _bmm_operands(b_t)
     p = a3 @ b3.transpose(1, 2) if outgoing else a3.transpose(1, 2) @ b3
-    return p.view(a_t.shape)
+    return _channels(p, a_t)
 
 
 def _product_grads(dp, a_t, b_t, outgoing):
-    """``(dA, dB)`` of :func:`_product`."""
+    """``(dA, dB)`` of :func:`_product`, each shaped like its operand."""
     dp3, a3, b3 = _bmm_operands(dp), _bmm_operands(a_t), _bmm_operands(b_t)
     if outgoing:
         da, db = dp3 @ b3, dp3.transpose(1, 2) @ a3
     else:
         da, db = b3 @ dp3.transpose(1, 2), a3 @ dp3
-    return da.view(a_t.shape), db.view(a_t.shape)
+    return _channels(da, a_t), _channels(db, a_t)
 
 
 class TriangleMultiplicationFunction(torch.autograd.Function):
     """Autograd function behind :func:`triangle_multiplication`.
 
     ``apply(z, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b, w_z, outgoing,
-    eps)`` with ``w_in`` the stacked ``[4 C_h + C_z, C_z]`` projection weights in
-    ``z``'s dtype and ``mask`` ``[B N N]`` or ``None``. Saves ``z``, ``p`` and the
-    input LayerNorm's statistics (see the module docstring).
+    eps, exchange)`` with ``w_in`` the stacked ``[4 C_h + C_z, C_z]`` projection
+    weights in ``z``'s dtype, ``mask`` ``[B n_i n_j]`` or ``None`` and ``exchange``
+    a :class:`ShardExchange` for a shard of ``z`` (``None``: ``z`` whole). Saves
+    ``z``, ``p`` and the input LayerNorm's statistics (see the module docstring).
     """
 
     @staticmethod
+    def _whole(a_t, b_t, outgoing, exchange):
+        """The operands with the one the product needs whole completed: ``b``'s
+        rows (outgoing) or ``a``'s columns (incoming)."""
+        if exchange is None:
+            return a_t, b_t
+        if outgoing:
+            return a_t, exchange.gather(b_t, -2)
+        return exchange.gather(a_t, -1), b_t
+
+    @staticmethod
     def forward(ctx, z, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b, w_z,
-                outgoing, eps):
-        *lead, n, _, cz = z.shape
+                outgoing, eps, exchange):
+        *lead, n_i, n_j, cz = z.shape
         batch = int(torch.Size(lead).numel())
         ch = w_z.shape[1]
         z2 = z.reshape(-1, cz)
@@ -223,13 +267,15 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
         x, mean, rstd = layer_norm_fwd(z2, ln_in_w, ln_in_b, eps)
         proj = F.linear(x, w_in)
         del x
-        a_t, b_t = gate_fwd(proj, mask, batch, n, ch)
+        a_t, b_t = gate_fwd(proj, mask, batch, (n_i, n_j), ch)
+        a_t, b_t = TriangleMultiplicationFunction._whole(a_t, b_t, outgoing, exchange)
         p = _product(a_t, b_t, outgoing)
         del a_t, b_t
         out = out_fwd(p, proj, ln_out_w, ln_out_b, w_z, eps)
         ctx.save_for_backward(z2, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b,
                               w_z, mean, rstd, p)
         ctx.outgoing, ctx.eps, ctx.shape = outgoing, eps, z.shape
+        ctx.exchange = exchange
         return out.view(z.shape)
 
     @staticmethod
@@ -248,9 +294,16 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
         dp, dw_z, dln_out_w, dln_out_b = out_bwd(
             dout2, p, proj, ln_out_w, ln_out_b, w_z, ctx.eps
         )
-        a_t, b_t = gate_fwd(proj, mask, batch, p.shape[-1], ch)
-        da_t, db_t = _product_grads(dp, a_t, b_t, ctx.outgoing)
+        outgoing, exchange = ctx.outgoing, ctx.exchange
+        a_t, b_t = gate_fwd(proj, mask, batch, ctx.shape[-3:-1], ch)
+        a_t, b_t = TriangleMultiplicationFunction._whole(a_t, b_t, outgoing, exchange)
+        da_t, db_t = _product_grads(dp, a_t, b_t, outgoing)
         del a_t, b_t, dp
+        if exchange is not None:  # the whole operand's gradient, summed onto shards
+            if outgoing:
+                db_t = exchange.reduce_scatter(db_t, -2)
+            else:
+                da_t = exchange.reduce_scatter(da_t, -1)
         gate_bwd(proj, mask, da_t, db_t, ch)  # proj now holds d(proj)
         del da_t, db_t
         dw_in = proj.t() @ x if need[4] else None
@@ -267,7 +320,7 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
             dw_in,
             _as(dln_out_w, ln_out_w, need[5]), _as(dln_out_b, ln_out_b, need[6]),
             _as(dw_z, w_z, need[7]),
-            None, None,
+            None, None, None,
         )
 
 
@@ -275,17 +328,20 @@ def _as(grad, like, needed):
     return grad.to(like.dtype) if needed and grad is not None else None
 
 
-def supports(z: torch.Tensor, c_hidden: int) -> tuple[bool, str]:
+def supports(
+    z: torch.Tensor, c_hidden: int, shard: bool = False
+) -> tuple[bool, str]:
     """Whether the fused path takes ``z`` (``(ok, why not)``): 16-bit, ``z``'s dtype
     equal to the compute dtype (autocast's, inside autocast), square ``[*, N, N,
-    C_z]``, channels at most ``MAX_CHANNELS``, on a device the kernels run on."""
+    C_z]`` (any ``[*, n_i, n_j, C_z]`` for a ``shard``), channels at most
+    ``MAX_CHANNELS``, on a device the kernels run on."""
     if z.dtype not in DTYPES:
         return False, f"dtype {z.dtype}"
     if torch.is_autocast_enabled(z.device.type):
         autocast_dtype = torch.get_autocast_dtype(z.device.type)
         if autocast_dtype != z.dtype:
             return False, f"{z.dtype} input under {autocast_dtype} autocast"
-    if z.dim() < 3 or z.shape[-2] != z.shape[-3] or z.numel() == 0:
+    if z.dim() < 3 or (z.shape[-2] != z.shape[-3] and not shard) or z.numel() == 0:
         return False, f"shape {tuple(z.shape)}"
     if max(z.shape[-1], c_hidden) > MAX_CHANNELS:
         return False, f"channels {z.shape[-1]}/{c_hidden} > {MAX_CHANNELS}"
@@ -349,10 +405,13 @@ def triangle_multiplication(
 def fused_triangle_multiplication(
     z, mask, ln_in_weight, ln_in_bias, w_a_p, w_a_g, w_b_p, w_b_g, w_g,
     ln_out_weight, ln_out_bias, w_z, outgoing: bool = True, eps: float = 1e-5,
+    exchange: ShardExchange | None = None,
 ) -> torch.Tensor:
     """:func:`triangle_multiplication` on the kernels, for a caller that has
     already checked :func:`supports` (OF3's patched module): no check, no
-    fallback."""
+    fallback. With ``exchange``, ``z`` and ``mask`` are this rank's shard (rows
+    for the outgoing update, columns for the incoming one) and so is the result
+    (see the module docstring)."""
     w_in = torch.cat([w_a_p, w_a_g, w_b_p, w_b_g, w_g]).to(z.dtype)
     mask1d = None
     if mask is not None:
@@ -360,5 +419,5 @@ def fused_triangle_multiplication(
         mask1d = (mask1d if mask1d.is_floating_point() else mask1d.float()).contiguous()
     return TriangleMultiplicationFunction.apply(
         z, mask1d, ln_in_weight, ln_in_bias, w_in, ln_out_weight, ln_out_bias,
-        w_z.to(z.dtype), outgoing, eps,
+        w_z.to(z.dtype), outgoing, eps, exchange,
     )
