@@ -235,6 +235,17 @@ def _product_grads(dp, a_t, b_t, outgoing):
     return _channels(da, a_t), _channels(db, a_t)
 
 
+def _whole_operands(a_t, b_t, outgoing, exchange):
+    """``(a, b)`` with the operand the product needs whole completed on a shard:
+    ``b``'s rows (outgoing) or ``a``'s columns (incoming); as given without
+    ``exchange``."""
+    if exchange is None:
+        return a_t, b_t
+    if outgoing:
+        return a_t, exchange.gather(b_t, -2)
+    return exchange.gather(a_t, -1), b_t
+
+
 class TriangleMultiplicationFunction(torch.autograd.Function):
     """Autograd function behind :func:`triangle_multiplication`.
 
@@ -244,16 +255,6 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
     a :class:`ShardExchange` for a shard of ``z`` (``None``: ``z`` whole). Saves
     ``z``, ``p`` and the input LayerNorm's statistics (see the module docstring).
     """
-
-    @staticmethod
-    def _whole(a_t, b_t, outgoing, exchange):
-        """The operands with the one the product needs whole completed: ``b``'s
-        rows (outgoing) or ``a``'s columns (incoming)."""
-        if exchange is None:
-            return a_t, b_t
-        if outgoing:
-            return a_t, exchange.gather(b_t, -2)
-        return exchange.gather(a_t, -1), b_t
 
     @staticmethod
     def forward(ctx, z, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b, w_z,
@@ -268,7 +269,7 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
         proj = F.linear(x, w_in)
         del x
         a_t, b_t = gate_fwd(proj, mask, batch, (n_i, n_j), ch)
-        a_t, b_t = TriangleMultiplicationFunction._whole(a_t, b_t, outgoing, exchange)
+        a_t, b_t = _whole_operands(a_t, b_t, outgoing, exchange)
         p = _product(a_t, b_t, outgoing)
         del a_t, b_t
         out = out_fwd(p, proj, ln_out_w, ln_out_b, w_z, eps)
@@ -296,7 +297,7 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
         )
         outgoing, exchange = ctx.outgoing, ctx.exchange
         a_t, b_t = gate_fwd(proj, mask, batch, ctx.shape[-3:-1], ch)
-        a_t, b_t = TriangleMultiplicationFunction._whole(a_t, b_t, outgoing, exchange)
+        a_t, b_t = _whole_operands(a_t, b_t, outgoing, exchange)
         da_t, db_t = _product_grads(dp, a_t, b_t, outgoing)
         del a_t, b_t, dp
         if exchange is not None:  # the whole operand's gradient, summed onto shards
