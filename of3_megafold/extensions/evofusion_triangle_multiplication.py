@@ -9,8 +9,9 @@ template stack and confidence pairformer) runs the fused kernels of
 the input LayerNorm, the five projections as one GEMM, the gates written straight
 into the batched GEMM's channel-major layout, and the output LayerNorm, projection
 and gate in one pass. The forward keeps ``z`` and the
-product; the backward recomputes the rest. Parameter names are unchanged, so OF3
-checkpoints load as they are.
+product; the backward recomputes the rest. Under sequence parallelism
+:func:`sharded_update` runs the same kernels on a rank's shard of ``z``. Parameter
+names are unchanged, so OF3 checkpoints load as they are.
 
 OF3's own path stays for fp32 pair activations (outside autocast), Linears with a
 bias or LayerNorms without an affine (OF3's configs have neither), and the chunked
@@ -106,7 +107,8 @@ EXTENSION = registry.register(
         FLAG,
         help="fused triangle multiplication (LayerNorm + one projection GEMM + gates "
         "in the batched GEMM's layout + output LayerNorm/projection/gate); keeps the "
-        "input and the product only. Exclusive with OF3's use_cueq_triangle_kernels.",
+        "input and the product only; also on sequence parallelism's shards. "
+        "Exclusive with OF3's use_cueq_triangle_kernels.",
         summary="Fused triangle multiplication: LayerNorm-fed projections as one "
         "GEMM, gates in the batched GEMM's layout, fused output; keeps z and the "
         "product only",
