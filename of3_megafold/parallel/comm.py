@@ -253,20 +253,39 @@ def start_gather_for_local_use(
     return PendingGather(x, dim, group)
 
 
+class _Launched:
+    """An asynchronous collective's work handle and the tensor(s) it fills."""
+
+    def __init__(self, work, result) -> None:
+        self._work, self._result = work, result
+
+    def wait(self):
+        self._work.wait()
+        return self._result
+
+
 class GroupExchange:
-    """The collectives a sharded fused kernel calls inside its own autograd
+    """The collectives a sharded fused kernel launches inside its own autograd
     function (``of3_megafold.kernels.triangle_multiplication``'s ``ShardExchange``):
-    plain all-gather and reduce-scatter over ``group``, with no autograd of their
-    own."""
+    asynchronous all-gather and reduce-scatter over ``group``, with no autograd of
+    their own."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.rank, self.size = group_rank(group), group_size(group)
 
-    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return _all_gather(t, dim, self.group)
+    def start_gather(self, t: torch.Tensor) -> _Launched:
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        return _Launched(
+            dist.all_gather(parts, t, group=self.group, async_op=True), parts
+        )
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return _reduce_scatter(t, dim, self.group)
+    def start_reduce_scatter(self, t: torch.Tensor, dim: int) -> _Launched:
+        parts = [p.contiguous() for p in t.chunk(self.size, dim=dim)]
+        out = torch.empty_like(parts[0])
+        work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
+        return _Launched(work, out)
 
 
 def swap_shard_axis(

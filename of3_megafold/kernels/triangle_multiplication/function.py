@@ -22,13 +22,23 @@ outgoing update, columns ``[*, N, N/P, C_z]`` for the incoming one) the same
 kernels run on the local positions, and a :class:`ShardExchange` completes the one
 operand the product needs whole (``b`` outgoing, ``a`` incoming) between steps 2
 and 3; the backward gathers it again and sums its gradient back onto the shards.
-The kernels themselves know nothing of the shards or of ``torch.distributed``.
+Every collective is launched before compute that does not need it:
+
+- forward: the operand's all-gather is in flight while the block of ``p`` that
+  this rank's own slice of it gives is computed; then one block per other rank;
+- backward: the all-gather is in flight while the gathered operand's gradient,
+  which needs local tensors only, is computed; that gradient's reduce-scatter is
+  in flight while the other operand's gradient, which needs the gathered one, is.
+
+Each block and each gradient is the GEMM of the unsharded path over the same
+contraction, so the values do not depend on the overlap. The kernels themselves
+know nothing of the shards or of ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -64,16 +74,29 @@ _gate_bwd = TunedKernel(_gate_bwd_kernel)
 _out_fwd = TunedKernel(_out_fwd_kernel)
 _out_bwd = TunedKernel(_out_bwd_kernel)
 
+T = TypeVar("T", covariant=True)
+
+
+class Launched(Protocol[T]):
+    """A collective in flight; :meth:`wait` completes it (on a GPU: orders the
+    current stream after it) and returns its result."""
+
+    def wait(self) -> T: ...
+
 
 class ShardExchange(Protocol):
-    """The collectives of a sharded update (``of3_megafold.parallel.comm`` builds
-    one for a sequence-parallel group)."""
+    """The collectives of a sharded update, launched asynchronously
+    (``of3_megafold.parallel.comm.GroupExchange`` is one for a sequence-parallel
+    group of ``size`` ranks, of which this process is ``rank``)."""
 
-    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's ``t``, concatenated along ``dim`` in rank order."""
+    rank: int
+    size: int
+
+    def start_gather(self, t: torch.Tensor) -> Launched[list[torch.Tensor]]:
+        """Every rank's ``t`` (same shape on every rank), in rank order."""
         ...
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+    def start_reduce_scatter(self, t: torch.Tensor, dim: int) -> Launched[torch.Tensor]:
         """This rank's slice along ``dim`` of the sum of every rank's ``t``."""
         ...
 
@@ -235,15 +258,57 @@ def _product_grads(dp, a_t, b_t, outgoing):
     return _channels(da, a_t), _channels(db, a_t)
 
 
-def _whole_operands(a_t, b_t, outgoing, exchange):
-    """``(a, b)`` with the operand the product needs whole completed on a shard:
-    ``b``'s rows (outgoing) or ``a``'s columns (incoming); as given without
-    ``exchange``."""
-    if exchange is None:
-        return a_t, b_t
+def _shard_axis(outgoing: bool) -> int:
+    """The axis of ``[batch, ch, n_i, n_j]`` along which a shard's gathered operand
+    is split over the ranks: ``b``'s rows (outgoing), ``a``'s columns (incoming)."""
+    return -2 if outgoing else -1
+
+
+def _sharded_product(a_t, b_t, outgoing, exchange):
+    """:func:`_product` of a shard's ``a`` and ``b`` (both ``[batch, ch, n_i,
+    n_j]``), the whole operand gathered with ``exchange`` while this rank's own
+    block of ``p`` is computed. A slice of the operand from rank ``r`` gives
+    ``p``'s columns (outgoing) or rows (incoming) ``r n .. (r + 1) n``, each the
+    full contraction, so the blocks are the unsharded GEMM's values."""
+    local = b_t if outgoing else a_t
+    n = local.shape[_shard_axis(outgoing)]
+    pending = exchange.start_gather(local)
+    p = torch.empty_like(a_t)
+    p3, a3, b3 = _bmm_operands(p), _bmm_operands(a_t), _bmm_operands(b_t)
+
+    def block(rank, part):
+        out = p3.narrow(_shard_axis(not outgoing), rank * n, n)
+        part3 = _bmm_operands(part)
+        if outgoing:
+            torch.bmm(a3, part3.transpose(1, 2), out=out)
+        else:
+            torch.bmm(part3.transpose(1, 2), b3, out=out)
+
+    block(exchange.rank, local)
+    for rank, part in enumerate(pending.wait()):
+        if rank != exchange.rank:
+            block(rank, part)
+    return p
+
+
+def _sharded_product_grads(dp, a_t, b_t, outgoing, exchange):
+    """:func:`_product_grads` on a shard: the gathered operand's gradient (local
+    tensors only) is computed while the operand's all-gather is in flight, and the
+    other operand's gradient (the gathered operand's) while the first one's
+    reduce-scatter is."""
+    axis = _shard_axis(outgoing)
+    pending = exchange.start_gather(b_t if outgoing else a_t)
+    dp3, a3, b3 = _bmm_operands(dp), _bmm_operands(a_t), _bmm_operands(b_t)
     if outgoing:
-        return a_t, exchange.gather(b_t, -2)
-    return exchange.gather(a_t, -1), b_t
+        d_whole = torch.bmm(dp3.transpose(1, 2), a3)
+    else:
+        d_whole = torch.bmm(b3, dp3.transpose(1, 2))
+    summed = exchange.start_reduce_scatter(_channels(d_whole, a_t), axis)
+    del d_whole
+    whole = _bmm_operands(torch.cat(pending.wait(), dim=axis))
+    d_other = _channels(torch.bmm(dp3, whole) if outgoing else torch.bmm(whole, dp3),
+                        a_t)
+    return (d_other, summed.wait()) if outgoing else (summed.wait(), d_other)
 
 
 class TriangleMultiplicationFunction(torch.autograd.Function):
@@ -269,8 +334,10 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
         proj = F.linear(x, w_in)
         del x
         a_t, b_t = gate_fwd(proj, mask, batch, (n_i, n_j), ch)
-        a_t, b_t = _whole_operands(a_t, b_t, outgoing, exchange)
-        p = _product(a_t, b_t, outgoing)
+        if exchange is None:
+            p = _product(a_t, b_t, outgoing)
+        else:
+            p = _sharded_product(a_t, b_t, outgoing, exchange)
         del a_t, b_t
         out = out_fwd(p, proj, ln_out_w, ln_out_b, w_z, eps)
         ctx.save_for_backward(z2, mask, ln_in_w, ln_in_b, w_in, ln_out_w, ln_out_b,
@@ -297,14 +364,11 @@ class TriangleMultiplicationFunction(torch.autograd.Function):
         )
         outgoing, exchange = ctx.outgoing, ctx.exchange
         a_t, b_t = gate_fwd(proj, mask, batch, ctx.shape[-3:-1], ch)
-        a_t, b_t = _whole_operands(a_t, b_t, outgoing, exchange)
-        da_t, db_t = _product_grads(dp, a_t, b_t, outgoing)
+        if exchange is None:
+            da_t, db_t = _product_grads(dp, a_t, b_t, outgoing)
+        else:
+            da_t, db_t = _sharded_product_grads(dp, a_t, b_t, outgoing, exchange)
         del a_t, b_t, dp
-        if exchange is not None:  # the whole operand's gradient, summed onto shards
-            if outgoing:
-                db_t = exchange.reduce_scatter(db_t, -2)
-            else:
-                da_t = exchange.reduce_scatter(da_t, -1)
         gate_bwd(proj, mask, da_t, db_t, ch)  # proj now holds d(proj)
         del da_t, db_t
         dw_in = proj.t() @ x if need[4] else None
