@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from of3_megafold.errors import KitError, user_message
+from of3_megafold.errors import KitConfigError, KitError, user_message
 
 BENCHMARKS = {
     "attention": ("attention_core", "attention_module"),
@@ -84,15 +85,72 @@ def _user_errors():
     try:
         with _kit_errors():
             yield
-    except yaml.YAMLError as err:  # the message names the file, line and column
-        raise click.ClickException(f"YAML could not be parsed:\n{err}") from err
+    except yaml.YAMLError as err:
+        raise click.ClickException(_yaml_message(err)) from err
     except pydantic.ValidationError as err:
-        raise click.ClickException(f"runner YAML is not valid:\n{err}") from err
+        raise click.ClickException(_validation_message(err)) from err
     except (KeyError, TypeError, ValueError, FileNotFoundError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         raise click.ClickException(
             f"runner YAML could not be applied: {message}"
         ) from err
+
+
+def _yaml_message(err) -> str:
+    """A YAML parser's error on one line: file, line, column and the problem."""
+    problem = getattr(err, "problem", None)
+    if problem is None:
+        return "YAML could not be parsed: " + " ".join(str(err).split())
+    mark = err.problem_mark
+    context = f" ({err.context})" if getattr(err, "context", None) else ""
+    return (
+        f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: YAML could "
+        f"not be parsed: {problem}{context}"
+    )
+
+
+def _validation_message(err) -> str:
+    """OF3's pydantic validation errors on one line: each field's dotted path, what
+    is wrong and, for a scalar, the value given."""
+    parts = []
+    for error in err.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        given = error.get("input")
+        value = (
+            f" (got {given!r})"
+            if isinstance(given, str | int | float | bool) or given is None
+            else ""
+        )
+        parts.append(f"{where}: {error['msg']}{value}")
+    return "runner YAML is not valid: " + "; ".join(parts)
+
+
+def _locked_key_message(err: KeyError, custom: dict) -> str | None:
+    """OF3's "config is locked" error for an unknown ``model_update.custom`` key as
+    one line with the key's path in the YAML and OF3's suggestion, or ``None`` for
+    any other ``KeyError``."""
+    text = str(err.args[0]) if err.args else ""
+    key = re.match(r'Key "([^"]+)" does not exist', text)
+    if key is None:
+        return None
+    path = _key_path(custom, key.group(1)) or [key.group(1)]
+    guess = re.search(r'Did you mean "([^"]+)"', text)
+    hint = f"; did you mean {guess.group(1)}?" if guess else ""
+    return (
+        f"model_update.custom.{'.'.join(path)}: no such key in OF3's model config{hint}"
+    )
+
+
+def _key_path(tree: dict, key: str) -> list[str] | None:
+    """The first path of mapping keys in ``tree`` that ends at ``key``."""
+    for name, value in tree.items():
+        if name == key:
+            return [name]
+        if isinstance(value, dict):
+            below = _key_path(value, key)
+            if below is not None:
+                return [name, *below]
+    return None
 
 
 def _load_runner_yaml(path: Path, seed: int | None, data_seed: int | None) -> dict:
@@ -190,7 +248,39 @@ def check_model_update(runner: dict) -> None:
     )
 
     update = ModelUpdate.model_validate(runner.get("model_update") or {})
-    OF3ProjectEntry().get_model_config_with_update(update)
+    try:
+        OF3ProjectEntry().get_model_config_with_update(update)
+    except KeyError as err:
+        message = _locked_key_message(
+            err, (runner.get("model_update") or {}).get("custom") or {}
+        )
+        if message is None:
+            raise
+        raise KitConfigError(message) from err
+
+
+@contextmanager
+def _new_folder_removed_on_failure(folder: str | Path | None):
+    """OF3's validator creates ``experiment_settings.output_dir`` while it checks
+    the rest; when the checks (or the run) fail, remove what was created for it
+    here, as long as nothing was written into it."""
+    created = None
+    if folder is not None:
+        for candidate in (Path(folder), *Path(folder).parents):
+            if candidate.exists():
+                break
+            created = candidate
+    try:
+        yield
+    except BaseException:
+        empty = (
+            created is not None
+            and created.is_dir()
+            and not any(p.is_file() for p in created.rglob("*"))
+        )
+        if empty:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def _write_yaml(runner: dict, path: Path) -> Path:
@@ -259,7 +349,9 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
 
     runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
     apply_run_options(runner_dict, output_dir, steps)
-    with _user_errors():  # before any process starts or anything is written
+    output = (runner_dict.get("experiment_settings") or {}).get("output_dir")
+    # before any process starts or anything is written
+    with _user_errors(), _new_folder_removed_on_failure(output):
         check_model_update(runner_dict)
         TrainingExperimentConfig.model_validate(runner_dict)
         world = launch.plan_world(runner_dict)
@@ -497,6 +589,7 @@ def _predict(
     runner = _overlaid(runner, overlays)
 
     with _user_errors():
+        check_model_update(runner)
         if query_json is not None:
             query_set = inference.load_query_set(query_json)
         elif sequences:

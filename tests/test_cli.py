@@ -106,16 +106,35 @@ def test_demo_checks_its_overlays_before_writing(tmp_path):
     assert not out.exists()
 
 
-def test_unknown_key_still_fails_as_in_of3(runner_yaml, tmp_path):
+def _one_error_line(output: str) -> str:
+    """The ``Error:`` line of a failed command, checked to be its last line and
+    the only one."""
+    lines = [line for line in output.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1 and output.rstrip().endswith(lines[0]), output
+    assert "Traceback" not in output
+    return lines[0]
+
+
+def test_unknown_key_is_one_line_with_its_path(runner_yaml, tmp_path):
+    """OF3's locked config refuses the key (as in OF3); the message names where it
+    is in the YAML and OF3's guess, on one line."""
     overlay = _overlay(
         tmp_path, {"settings": {"memory": {"train": {"use_evoflash_attentoin": True}}}}
     )
-    result = CliRunner().invoke(
-        main, ["train", "--runner-yaml", str(runner_yaml), "--overlay", str(overlay)]
-    )
-    assert result.exit_code == 1
-    assert "use_evoflash_attentoin" in result.output
-    assert "locked" in result.output
+    out = tmp_path / "out"
+    for command in (
+        ["train", "--runner-yaml", str(runner_yaml)],
+        ["predict", "--runner-yaml", str(runner_yaml), "--sequence", "MKV"],
+    ):
+        result = CliRunner().invoke(
+            main, [*command, "--overlay", str(overlay), "--output-dir", str(out)]
+        )
+        assert result.exit_code == 1, result.output
+        assert _one_error_line(result.output) == (
+            "Error: model_update.custom.settings.memory.train.use_evoflash_attentoin: "
+            "no such key in OF3's model config; did you mean use_evoflash_attention?"
+        )
+        assert not out.exists()
 
 
 def test_malformed_yaml_is_one_readable_error(runner_yaml, tmp_path):
@@ -127,10 +146,42 @@ def test_malformed_yaml_is_one_readable_error(runner_yaml, tmp_path):
     ):
         result = CliRunner().invoke(main, ["train", *args])
         assert result.exit_code == 1, result.output
-        assert "YAML could not be parsed" in result.output
-        assert "broken.yml" in result.output and "line 1" in result.output
-        assert "Traceback" not in result.output
+        line = _one_error_line(result.output)
+        assert line.startswith(f"Error: {overlay}, line 2, column 1: YAML could not")
+        assert "expected ',' or ']'" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_invalid_runner_field_is_one_line(runner_yaml, tmp_path):
+    """OF3's pydantic validation: each field's path, the problem and the value."""
+    overlay = tmp_path / "bad.yml"
+    overlay.write_text(
+        yaml.safe_dump(
+            {
+                "data_module_args": {"batch_size": "two"},
+                "experiment_settings": {"seed": "x"},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--runner-yaml",
+            str(runner_yaml),
+            "--overlay",
+            str(overlay),
+            "--output-dir",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    line = _one_error_line(result.output)
+    assert line.startswith("Error: runner YAML is not valid: ")
+    assert "data_module_args.batch_size: Input should be a valid integer" in line
+    assert "(got 'two')" in line and "experiment_settings.seed: " in line
+    assert not out.exists()
 
 
 def _model_config(runner: dict):
