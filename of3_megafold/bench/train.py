@@ -792,6 +792,12 @@ def train_command(
     """Train OF3 with its own loop, stock and kit, timing every optimizer step."""
     from of3_megafold import activate
 
+    full_model = Path(runner_yaml).resolve() == DEFAULT_RUNNER_YAML.resolve()
+    if full_model and not (quick or summary_only or torch.cuda.is_available()):
+        raise click.UsageError(
+            "runner_yamls/train_full.yml trains the full model, which is measured on "
+            "a CUDA GPU, and none is visible here; --quick is the smoke run for a CPU"
+        )
     out_json = Path(out_dir) / JSON_NAME
     with _kit_errors():
         activate()

@@ -504,3 +504,14 @@ def test_provider_model_config_merges_the_provider_then_the_update(no_registry):
     ]["c_s"]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         step.provider_model_config("stock-triton", "cpu", "tiny")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU only")
+def test_full_step_bench_refuses_a_machine_without_cuda(tmp_path):
+    from click.testing import CliRunner
+
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(step.step_command, ["--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "--config tiny" in result.output.splitlines()[-1]
+    assert not out.exists()

@@ -350,3 +350,14 @@ def test_step_seeds_make_each_step_draw_the_same_numbers():
     assert a1 == b1 and a2 == b2
     assert a1 != a2  # each step its own seed
     assert end_a != end_b
+
+
+def test_full_model_run_refuses_a_machine_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for CPU only")
+    result = CliRunner().invoke(bench_train.train_command, ["--out-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "--quick" in result.output.splitlines()[-1]
+    assert not any(tmp_path.iterdir())

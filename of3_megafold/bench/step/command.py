@@ -272,6 +272,11 @@ def step_command(
     out_json,
 ) -> None:
     """Time full OpenFold3 training steps (forward + loss + backward) per provider."""
+    if config == "full" and not torch.cuda.is_available():
+        raise click.UsageError(
+            "the full model's training step is measured on a CUDA GPU and none is "
+            "visible here; --config tiny runs the same bench on this CPU"
+        )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = run_step_bench(
         providers=list(providers) or None,
