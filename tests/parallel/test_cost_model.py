@@ -53,6 +53,32 @@ def test_step_estimates():
     assert plain.gbyte == pytest.approx(two.gbyte * 2 / 3)
 
 
+def test_kit_schedule_hides_what_its_gemms_cover():
+    """Hand count for one case: 1 TFLOP/s, 1 GB/s, N = 8, c = 1 channel, SP 2."""
+    hw = cm.Hardware(peak_flops=1e12, efficiency=1.0, link_bytes_per_s=1e9)
+    dims = cm.PairformerDims(c_z=1, c_mul=1, tri_heads=1, blocks=1, bytes_per_element=1)
+    share = 0.5 / 1e9  # (P-1)/P of an element, in seconds
+    gather, bias, swap = 64 * share, 64 * share, 32 * share
+    own_block, whole_share = 2 * 16 * 8 / 1e12, 2 * 512 / 2 / 1e12
+    forward = 2 * (gather - own_block) + 2 * bias + 4 * swap
+    backward = 4 * (gather - whole_share) + 2 * bias + 4 * swap
+    got = cm.kit_exposed_comm_s(8, 2, hw, dims)
+    assert got == pytest.approx(2 * forward + backward)
+    assert cm.kit_exposed_comm_s(8, 2, hw, dims, checkpointing=False) == (
+        pytest.approx(forward + backward)
+    )
+    assert cm.kit_exposed_comm_s(8, 1, hw, dims) == 0
+    # GEMMs longer than the gathers hide them; the bias gathers and swaps stay.
+    fast_link = cm.Hardware(peak_flops=1e12, efficiency=1.0, link_bytes_per_s=1e15)
+    rest = 3 * (2 * bias + 4 * swap) * 1e9 / 1e15
+    assert cm.kit_exposed_comm_s(8, 2, fast_link, dims) == pytest.approx(rest)
+    e = cm.estimate_stack(8, 2, hw, dims)
+    assert e.kit_s == pytest.approx(e.compute_s + got)
+    assert e.kit_efficiency == pytest.approx(
+        cm.estimate_stack(8, 1, hw, dims).kit_s / (2 * e.kit_s)
+    )
+
+
 def test_markdown_table_has_a_row_per_case():
     table = cm.markdown_table(tokens=(768, 2048), sizes=(2, 4))
     rows = table.splitlines()[2:]
