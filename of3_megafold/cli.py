@@ -99,9 +99,9 @@ def _user_errors():
 def _yaml_message(err) -> str:
     """A YAML parser's error on one line: file, line, column and the problem."""
     problem = getattr(err, "problem", None)
-    if problem is None:
+    mark = getattr(err, "problem_mark", None)
+    if problem is None or mark is None:
         return "YAML could not be parsed: " + " ".join(str(err).split())
-    mark = err.problem_mark
     context = f" ({err.context})" if getattr(err, "context", None) else ""
     return (
         f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: YAML could "
@@ -109,19 +109,20 @@ def _yaml_message(err) -> str:
     )
 
 
-def _validation_message(err) -> str:
-    """OF3's pydantic validation errors on one line: each field's dotted path, what
-    is wrong and, for a scalar, the value given."""
+def _validation_message(err, root: tuple[str, ...] = ()) -> str:
+    """OF3's pydantic validation errors on one line: each field's dotted path (from
+    ``root``, the section of the runner YAML that was validated), what is wrong
+    and, for a scalar, the value given."""
     parts = []
     for error in err.errors():
-        where = ".".join(str(part) for part in error["loc"])
+        where = ".".join(str(part) for part in (*root, *error["loc"]))
         given = error.get("input")
         value = (
             f" (got {given!r})"
             if isinstance(given, str | int | float | bool) or given is None
             else ""
         )
-        parts.append(f"{where}: {error['msg']}{value}")
+        parts.append(f"{where}: {error['msg']}{value}" if where else error["msg"])
     return "runner YAML is not valid: " + "; ".join(parts)
 
 
@@ -161,10 +162,27 @@ def _load_runner_yaml(path: Path, seed: int | None, data_seed: int | None) -> di
         if not isinstance(runner, dict):
             raise click.ClickException(f"{path}: not a YAML mapping")
     if seed is not None:
-        runner.setdefault("experiment_settings", {})["seed"] = seed
+        _section(runner, "experiment_settings")["seed"] = seed
     if data_seed is not None:
-        runner.setdefault("data_module_args", {})["data_seed"] = data_seed
+        _section(runner, "data_module_args")["data_seed"] = data_seed
     return runner
+
+
+def _section(runner: dict, key: str) -> dict:
+    """The runner YAML's ``key`` section, made empty when absent; a command-line
+    option that writes into it is refused when the YAML gave it another type."""
+    section = runner.setdefault(key, {})
+    if not isinstance(section, dict):
+        raise KitConfigError(f"{key}: must be a mapping of options (got {section!r})")
+    return section
+
+
+def _output_dir_of(runner: dict) -> str | None:
+    """``experiment_settings.output_dir`` when it names a folder; ``None`` for any
+    other shape, which OF3's validator then reports."""
+    settings = runner.get("experiment_settings")
+    folder = settings.get("output_dir") if isinstance(settings, dict) else None
+    return str(folder) if isinstance(folder, str | Path) else None
 
 
 class _DropDeepSpeedCpuNotice(logging.Filter):
@@ -242,12 +260,16 @@ def check_model_update(runner: dict) -> None:
     OF3's own validator creates the output directory; checking the model update
     first means a bad key or value stops the run with nothing on disk.
     """
+    import pydantic
     from openfold3.projects.of3_all_atom.project_entry import (
         ModelUpdate,
         OF3ProjectEntry,
     )
 
-    update = ModelUpdate.model_validate(runner.get("model_update") or {})
+    try:
+        update = ModelUpdate.model_validate(runner.get("model_update") or {})
+    except pydantic.ValidationError as err:
+        raise KitConfigError(_validation_message(err, ("model_update",))) from err
     try:
         OF3ProjectEntry().get_model_config_with_update(update)
     except KeyError as err:
@@ -262,8 +284,8 @@ def check_model_update(runner: dict) -> None:
 @contextmanager
 def _new_folder_removed_on_failure(folder: str | Path | None):
     """OF3's validator creates ``experiment_settings.output_dir`` while it checks
-    the rest; when the checks (or the run) fail, remove what was created for it
-    here, as long as nothing was written into it."""
+    the rest; when the checks fail, remove what was created for it here, as long
+    as nothing was written into it."""
     created = None
     if folder is not None:
         for candidate in (Path(folder), *Path(folder).parents):
@@ -347,11 +369,13 @@ def train(runner_yaml, overlays, seed, data_seed, use_tf32, output_dir, steps) -
 
     from openfold3.entry_points.validator import TrainingExperimentConfig
 
-    runner_dict = _overlaid(_load_runner_yaml(runner_yaml, seed, data_seed), overlays)
-    apply_run_options(runner_dict, output_dir, steps)
-    output = (runner_dict.get("experiment_settings") or {}).get("output_dir")
+    with _user_errors():
+        runner_dict = _overlaid(
+            _load_runner_yaml(runner_yaml, seed, data_seed), overlays
+        )
+        apply_run_options(runner_dict, output_dir, steps)
     # before any process starts or anything is written
-    with _user_errors(), _new_folder_removed_on_failure(output):
+    with _user_errors(), _new_folder_removed_on_failure(_output_dir_of(runner_dict)):
         check_model_update(runner_dict)
         TrainingExperimentConfig.model_validate(runner_dict)
         world = launch.plan_world(runner_dict)
@@ -367,9 +391,9 @@ def apply_run_options(runner: dict, output_dir: Path | None, steps: int | None) 
     """``--output-dir`` and ``--steps`` on a runner YAML: the output directory, and
     a stop after ``steps`` optimizer steps however many epochs that takes."""
     if output_dir is not None:
-        runner.setdefault("experiment_settings", {})["output_dir"] = str(output_dir)
+        _section(runner, "experiment_settings")["output_dir"] = str(output_dir)
     if steps is not None:
-        trainer_args = runner.setdefault("pl_trainer_args", {})
+        trainer_args = _section(runner, "pl_trainer_args")
         trainer_args["max_steps"] = steps
         trainer_args["max_epochs"] = -1
 

@@ -184,6 +184,84 @@ def test_invalid_runner_field_is_one_line(runner_yaml, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("update", "options", "expected"),
+    [
+        (
+            {"experiment_settings": "x"},
+            [],
+            "Error: runner YAML is not valid: experiment_settings: ",
+        ),
+        (
+            {"experiment_settings": "x"},
+            ["--output-dir", "out"],
+            "Error: experiment_settings: must be a mapping of options (got 'x')",
+        ),
+        (
+            {"experiment_settings": {"output_dir": 5}},
+            [],
+            "Error: runner YAML is not valid: experiment_settings.output_dir: ",
+        ),
+        (
+            {"model_update": {"custom": 5}},
+            [],
+            "Error: runner YAML is not valid: model_update.custom: Input should be "
+            "a valid dictionary (got 5)",
+        ),
+    ],
+    ids=["section-not-a-mapping", "option-into-it", "folder-not-a-path", "model"],
+)
+def test_misshapen_sections_are_one_line(
+    runner_yaml, tmp_path, update, options, expected
+):
+    """A section or value of the wrong type, whether OF3's validator or a
+    command-line option meets it first: one line with its path, never a
+    traceback."""
+    overlay = tmp_path / "overlay.yml"
+    overlay.write_text(yaml.safe_dump(update))
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--runner-yaml",
+            str(runner_yaml),
+            "--overlay",
+            str(overlay),
+            *options,
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    assert _one_error_line(result.output).startswith(expected), result.output
+
+
+def test_refused_yaml_keeps_an_existing_output_folder(runner_yaml, tmp_path):
+    """Only a folder made for the refused run is removed: one that was there
+    before stays, with what it holds."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.txt").write_text("earlier run")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    overlay = tmp_path / "overlay.yml"
+    overlay.write_text(yaml.safe_dump({"data_module_args": {"batch_size": "two"}}))
+    for folder in (out, empty):
+        result = CliRunner().invoke(
+            main,
+            [
+                "train",
+                "--runner-yaml",
+                str(runner_yaml),
+                "--overlay",
+                str(overlay),
+                "--output-dir",
+                str(folder),
+            ],
+        )
+        assert result.exit_code == 1, result.output
+        assert folder.is_dir()
+    assert (out / "kept.txt").read_text() == "earlier run"
+
+
 def _model_config(runner: dict):
     """The model config a runner dict asks for, built as OF3's runner builds it."""
     from openfold3.entry_points.validator import TrainingExperimentConfig

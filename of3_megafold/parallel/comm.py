@@ -267,25 +267,39 @@ class _Launched:
 class GroupExchange:
     """The collectives a sharded fused kernel launches inside its own autograd
     function (``of3_megafold.kernels.triangle_multiplication``'s ``ShardExchange``):
-    asynchronous all-gather and reduce-scatter over ``group``, with no autograd of
-    their own."""
+    asynchronous all-gather and reduce-scatter along dim 0 over ``group``, into
+    and out of single tensors, with no autograd of their own."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank, self.size = group_rank(group), group_size(group)
 
     def start_gather(self, t: torch.Tensor) -> _Launched:
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        return _Launched(
-            dist.all_gather(parts, t, group=self.group, async_op=True), parts
-        )
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+        return _Launched(_all_gather_single(out, t, self.group), out)
 
-    def start_reduce_scatter(self, t: torch.Tensor, dim: int) -> _Launched:
-        parts = [p.contiguous() for p in t.chunk(self.size, dim=dim)]
-        out = torch.empty_like(parts[0])
-        work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
-        return _Launched(work, out)
+    def start_reduce_scatter(self, t: torch.Tensor) -> _Launched:
+        out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
+        return _Launched(_reduce_scatter_single(out, t, self.group), out)
+
+
+def _all_gather_single(out: torch.Tensor, t: torch.Tensor, group):
+    """``out = cat(every rank's t)`` along dim 0, launched; torch 2.13 names it
+    ``all_gather_single``, earlier releases ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None)
+    if gather is None:
+        return dist.all_gather_into_tensor(out, t, group=group, async_op=True)
+    return gather(out, t, group=group, async_op=True)
+
+
+def _reduce_scatter_single(out: torch.Tensor, t: torch.Tensor, group):
+    """``out = this rank's dim-0 slice of sum(every rank's t)``, launched; torch
+    2.13 names it ``reduce_scatter_single``, earlier releases
+    ``reduce_scatter_tensor``."""
+    scatter = getattr(dist, "reduce_scatter_single", None)
+    if scatter is None:
+        return dist.reduce_scatter_tensor(out, t, group=group, async_op=True)
+    return scatter(out, t, group=group, async_op=True)
 
 
 def swap_shard_axis(

@@ -85,19 +85,22 @@ class Launched(Protocol[T]):
 
 
 class ShardExchange(Protocol):
-    """The collectives of a sharded update, launched asynchronously
-    (``of3_megafold.parallel.comm.GroupExchange`` is one for a sequence-parallel
-    group of ``size`` ranks, of which this process is ``rank``)."""
+    """The collectives of a sharded update, launched asynchronously along dim 0, so
+    that neither side needs a copy (``of3_megafold.parallel.comm.GroupExchange`` is
+    one for a sequence-parallel group of ``size`` ranks, of which this process is
+    ``rank``)."""
 
     rank: int
     size: int
 
-    def start_gather(self, t: torch.Tensor) -> Launched[list[torch.Tensor]]:
-        """Every rank's ``t`` (same shape on every rank), in rank order."""
+    def start_gather(self, t: torch.Tensor) -> Launched[torch.Tensor]:
+        """Every rank's ``t`` (``[m, ...]``, contiguous, the same shape on every
+        rank) stacked in rank order: ``[size m, ...]``."""
         ...
 
-    def start_reduce_scatter(self, t: torch.Tensor, dim: int) -> Launched[torch.Tensor]:
-        """This rank's slice along ``dim`` of the sum of every rank's ``t``."""
+    def start_reduce_scatter(self, t: torch.Tensor) -> Launched[torch.Tensor]:
+        """The sum over ranks of ``t`` (``[size m, ...]``, contiguous), this rank's
+        slice ``[m, ...]`` of dim 0."""
         ...
 
 
@@ -258,36 +261,44 @@ def _product_grads(dp, a_t, b_t, outgoing):
     return _channels(da, a_t), _channels(db, a_t)
 
 
-def _shard_axis(outgoing: bool) -> int:
-    """The axis of ``[batch, ch, n_i, n_j]`` along which a shard's gathered operand
-    is split over the ranks: ``b``'s rows (outgoing), ``a``'s columns (incoming)."""
-    return -2 if outgoing else -1
+def _gathered_rows(a3, b3, outgoing):
+    """This shard's slice of the operand the product needs whole, as ``[batch ch,
+    n, N]`` rows: ``b`` (outgoing) or ``a^T`` (incoming)."""
+    return b3 if outgoing else a3.transpose(1, 2)
+
+
+def _rows_of(gathered, rank, n):
+    """Rank ``rank``'s ``[batch ch, n, N]`` rows of a gathered ``[P n, batch ch,
+    N]`` operand (a strided view that cuBLAS takes as it is)."""
+    return gathered[rank * n:(rank + 1) * n].transpose(0, 1)
 
 
 def _sharded_product(a_t, b_t, outgoing, exchange):
     """:func:`_product` of a shard's ``a`` and ``b`` (both ``[batch, ch, n_i,
     n_j]``), the whole operand gathered with ``exchange`` while this rank's own
-    block of ``p`` is computed. A slice of the operand from rank ``r`` gives
-    ``p``'s columns (outgoing) or rows (incoming) ``r n .. (r + 1) n``, each the
-    full contraction, so the blocks are the unsharded GEMM's values."""
-    local = b_t if outgoing else a_t
-    n = local.shape[_shard_axis(outgoing)]
-    pending = exchange.start_gather(local)
+    block of ``p`` is computed. The operand travels position-major (``[n, batch
+    ch, N]``), so the gathered ``[P n, batch ch, N]`` is the whole operand without
+    a concatenation. Its rows from rank ``r`` give ``p``'s columns (outgoing) or
+    rows (incoming) ``r n .. (r + 1) n``, each the full contraction, so the blocks
+    are the unsharded GEMM's values."""
+    a3, b3 = _bmm_operands(a_t), _bmm_operands(b_t)
+    own = _gathered_rows(a3, b3, outgoing)
+    n = own.shape[1]
+    pending = exchange.start_gather(own.transpose(0, 1).contiguous())
     p = torch.empty_like(a_t)
-    p3, a3, b3 = _bmm_operands(p), _bmm_operands(a_t), _bmm_operands(b_t)
+    p3 = _bmm_operands(p)
 
-    def block(rank, part):
-        out = p3.narrow(_shard_axis(not outgoing), rank * n, n)
-        part3 = _bmm_operands(part)
+    def block(rank, rows):  # rows: [batch ch, n, N]
         if outgoing:
-            torch.bmm(a3, part3.transpose(1, 2), out=out)
+            torch.bmm(a3, rows.transpose(1, 2), out=p3.narrow(2, rank * n, n))
         else:
-            torch.bmm(part3.transpose(1, 2), b3, out=out)
+            torch.bmm(rows, b3, out=p3.narrow(1, rank * n, n))
 
-    block(exchange.rank, local)
-    for rank, part in enumerate(pending.wait()):
+    block(exchange.rank, own)
+    gathered = pending.wait()
+    for rank in range(exchange.size):
         if rank != exchange.rank:
-            block(rank, part)
+            block(rank, _rows_of(gathered, rank, n))
     return p
 
 
@@ -295,20 +306,32 @@ def _sharded_product_grads(dp, a_t, b_t, outgoing, exchange):
     """:func:`_product_grads` on a shard: the gathered operand's gradient (local
     tensors only) is computed while the operand's all-gather is in flight, and the
     other operand's gradient (the gathered operand's) while the first one's
-    reduce-scatter is."""
-    axis = _shard_axis(outgoing)
-    pending = exchange.start_gather(b_t if outgoing else a_t)
+    reduce-scatter is. The first is written rank-major, ``[P, batch ch, ...]``
+    with block ``r`` the part that rank ``r`` owns, so the reduce-scatter takes it
+    as it is: at most two whole-operand buffers (the gathered operand and that
+    gradient) are alive at once."""
     dp3, a3, b3 = _bmm_operands(dp), _bmm_operands(a_t), _bmm_operands(b_t)
-    if outgoing:
-        d_whole = torch.bmm(dp3.transpose(1, 2), a3)
-    else:
-        d_whole = torch.bmm(b3, dp3.transpose(1, 2))
-    summed = exchange.start_reduce_scatter(_channels(d_whole, a_t), axis)
+    own = _gathered_rows(a3, b3, outgoing)
+    size, n = exchange.size, own.shape[1]
+    pending = exchange.start_gather(own.transpose(0, 1).contiguous())
+    d_whole = b3.new_empty((size, *b3.shape))  # each block shaped like the shard's
+    for rank in range(size):
+        if outgoing:  # rows r n .. of d(b) = dp^T a
+            dp_r = dp3.narrow(2, rank * n, n)
+            torch.bmm(dp_r.transpose(1, 2), a3, out=d_whole[rank])
+        else:  # columns r n .. of d(a) = b dp^T
+            dp_r = dp3.narrow(1, rank * n, n)
+            torch.bmm(b3, dp_r.transpose(1, 2), out=d_whole[rank])
+    summed = exchange.start_reduce_scatter(d_whole.flatten(0, 1))
     del d_whole
-    whole = _bmm_operands(torch.cat(pending.wait(), dim=axis))
-    d_other = _channels(torch.bmm(dp3, whole) if outgoing else torch.bmm(whole, dp3),
-                        a_t)
-    return (d_other, summed.wait()) if outgoing else (summed.wait(), d_other)
+    gathered = pending.wait()  # [P n, batch ch, N]
+    if outgoing:  # d(a) = dp b, with b = gathered^T per channel
+        d_other = torch.bmm(dp3, gathered.transpose(0, 1))
+    else:  # d(b) = a dp, with a = gathered permuted per channel
+        d_other = torch.bmm(gathered.permute(1, 2, 0), dp3)
+    del gathered
+    d_other, d_gathered = _channels(d_other, a_t), _channels(summed.wait(), a_t)
+    return (d_other, d_gathered) if outgoing else (d_gathered, d_other)
 
 
 class TriangleMultiplicationFunction(torch.autograd.Function):
