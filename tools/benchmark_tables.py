@@ -66,6 +66,13 @@ def step_cell(row: Row) -> str:
     return f"{row['ms'] / 1000:.2f} s / {row['peak_gib']:.1f} GiB"
 
 
+def window_cell(row: Row) -> str:
+    """A collective's GEMM window: its milliseconds and the share of the
+    collective's transfer it can hide."""
+    hidden = min(1.0, row["ms"] / row["transfer_ms"])
+    return f"{row['ms']:.2f} ms ({hidden:.0%})"
+
+
 def ms_value(row: Row) -> float | None:
     return None if _failure(row) else row.get("ms")
 
@@ -203,6 +210,24 @@ TABLES: tuple[Table, ...] = (
         include=lambda row: row.get("mode") == "step_sp",
         cell=step_cell,
         labels=("tokens", "GPUs", "recycles"),
+    ),
+    Table(
+        "sp_trimul_compute",
+        "sp_trimul_schedule",
+        ("n_token", "sp_size"),
+        ("shard", "whole/P"),
+        cell=lambda row: f"{_num(row['ms'])} ms",
+        ratio=("whole/P", "shard"),
+        labels=("tokens", "SP"),
+    ),
+    Table(
+        "sp_trimul_windows",
+        "sp_trimul_schedule",
+        ("n_token", "sp_size", "transfer_ms"),
+        ("forward gather", "backward gather", "reduce-scatter"),
+        include=lambda row: row["provider"] not in ("shard", "whole/P"),
+        cell=window_cell,
+        labels=("tokens", "SP", "transfer (ms)"),
     ),
     Table(
         "predict",

@@ -116,6 +116,9 @@ for spec in "$@"; do
         transition) run "$name" "${limit:-240}" python3 -m tools.gpu_check_transition $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_sequence_parallel.py
         sp) run "$name" "${limit:-180}" python3 -m tools.gpu_check_sequence_parallel $extra ;;
+        # shellcheck disable=SC2086  # $extra: options for the sharded trimul check
+        sp-trimul) run "$name" "${limit:-240}" python3 -m tools.gpu_check_sharded_triangle_multiplication \
+            --out "$OUT/$name.json" $extra ;;
         # shellcheck disable=SC2086  # $extra: options for gpu_check_rollout_graphs.py
         rollout) run "$name" "${limit:-420}" python3 -m tools.gpu_check_rollout_graphs \
             "$OUT/$name.json" $extra ;;
