@@ -85,9 +85,10 @@ class Launched(Protocol[T]):
 
 
 class ShardExchange(Protocol):
-    """The collectives of a sharded update, launched asynchronously along dim 0, so
-    that neither side needs a copy (``of3_megafold.parallel.comm.GroupExchange`` is
-    one for a sequence-parallel group of ``size`` ranks, of which this process is
+    """The collectives of a sharded update, launched asynchronously, along dim 0
+    of single tensors: a gathered operand needs no concatenation, a summed gradient
+    no chunk copies (``of3_megafold.parallel.comm.GroupExchange`` is one for a
+    sequence-parallel group of ``size`` ranks, of which this process is
     ``rank``)."""
 
     rank: int
