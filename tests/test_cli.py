@@ -65,6 +65,17 @@ def _overlay(tmp_path, custom) -> Path:
     return path
 
 
+def _train_overlaid(runner_yaml, tmp_path, overlay: dict, *options):
+    """``train --runner-yaml`` with ``overlay`` (a whole runner section, not only
+    the kit's keys) written beside it and merged on top."""
+    path = tmp_path / "overlay.yml"
+    path.write_text(yaml.safe_dump(overlay))
+    return CliRunner().invoke(
+        main,
+        ["train", "--runner-yaml", str(runner_yaml), "--overlay", str(path), *options],
+    )
+
+
 def test_bad_kit_value_is_one_readable_error(runner_yaml, tmp_path):
     overlay = _overlay(
         tmp_path,
@@ -154,27 +165,16 @@ def test_malformed_yaml_is_one_readable_error(runner_yaml, tmp_path):
 
 def test_invalid_runner_field_is_one_line(runner_yaml, tmp_path):
     """OF3's pydantic validation: each field's path, the problem and the value."""
-    overlay = tmp_path / "bad.yml"
-    overlay.write_text(
-        yaml.safe_dump(
-            {
-                "data_module_args": {"batch_size": "two"},
-                "experiment_settings": {"seed": "x"},
-            }
-        )
-    )
     out = tmp_path / "out"
-    result = CliRunner().invoke(
-        main,
-        [
-            "train",
-            "--runner-yaml",
-            str(runner_yaml),
-            "--overlay",
-            str(overlay),
-            "--output-dir",
-            str(out),
-        ],
+    result = _train_overlaid(
+        runner_yaml,
+        tmp_path,
+        {
+            "data_module_args": {"batch_size": "two"},
+            "experiment_settings": {"seed": "x"},
+        },
+        "--output-dir",
+        str(out),
     )
     assert result.exit_code == 1, result.output
     line = _one_error_line(result.output)
@@ -217,19 +217,7 @@ def test_misshapen_sections_are_one_line(
     """A section or value of the wrong type, whether OF3's validator or a
     command-line option meets it first: one line with its path, never a
     traceback."""
-    overlay = tmp_path / "overlay.yml"
-    overlay.write_text(yaml.safe_dump(update))
-    result = CliRunner().invoke(
-        main,
-        [
-            "train",
-            "--runner-yaml",
-            str(runner_yaml),
-            "--overlay",
-            str(overlay),
-            *options,
-        ],
-    )
+    result = _train_overlaid(runner_yaml, tmp_path, update, *options)
     assert result.exit_code == 1, result.output
     assert _one_error_line(result.output).startswith(expected), result.output
 
@@ -242,20 +230,13 @@ def test_refused_yaml_keeps_an_existing_output_folder(runner_yaml, tmp_path):
     (out / "kept.txt").write_text("earlier run")
     empty = tmp_path / "empty"
     empty.mkdir()
-    overlay = tmp_path / "overlay.yml"
-    overlay.write_text(yaml.safe_dump({"data_module_args": {"batch_size": "two"}}))
     for folder in (out, empty):
-        result = CliRunner().invoke(
-            main,
-            [
-                "train",
-                "--runner-yaml",
-                str(runner_yaml),
-                "--overlay",
-                str(overlay),
-                "--output-dir",
-                str(folder),
-            ],
+        result = _train_overlaid(
+            runner_yaml,
+            tmp_path,
+            {"data_module_args": {"batch_size": "two"}},
+            "--output-dir",
+            str(folder),
         )
         assert result.exit_code == 1, result.output
         assert folder.is_dir()

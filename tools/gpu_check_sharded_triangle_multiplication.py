@@ -110,7 +110,7 @@ class Replay:
         return _Ready(result, self.log, "reduce_scatter")
 
 
-def inputs(n, device, seed=0, masked=True):
+def inputs(n, device, seed=0):
     """bf16 ``z`` ``[1, N, N, C_z]``, a pair mask, OF3's parameters (in
     ``fused_triangle_multiplication``'s order) and an output gradient."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -119,7 +119,7 @@ def inputs(n, device, seed=0, masked=True):
         return torch.randn(*shape, generator=gen, device=device) * scale + shift
 
     z = randn(1, n, n, CZ, scale=2.0, shift=0.5).bfloat16()
-    mask = (randn(1, n, n) > -0.8).float() if masked else None
+    mask = (randn(1, n, n) > -0.8).float()
     params = [
         randn(CZ, scale=0.3, shift=1.0),
         randn(CZ, scale=0.3),
@@ -135,10 +135,7 @@ def inputs(n, device, seed=0, masked=True):
 
 def shard(t, outgoing, rank, size):
     """Rank ``rank``'s rows (outgoing) or columns (incoming) of ``[1, N, N(, C)]``."""
-    if t is None:
-        return None
-    dim = 1 if outgoing else 2
-    return t.chunk(size, dim=dim)[rank].contiguous()
+    return t.chunk(size, dim=1 if outgoing else 2)[rank].contiguous()
 
 
 def _run(fn, z, mask, params, dout, backward=True, **kwargs):

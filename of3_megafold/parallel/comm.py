@@ -276,30 +276,23 @@ class GroupExchange:
 
     def start_gather(self, t: torch.Tensor) -> _Launched:
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
-        return _Launched(_all_gather_single(out, t, self.group), out)
+        work = _ALL_GATHER_SINGLE(out, t, group=self.group, async_op=True)
+        return _Launched(work, out)
 
     def start_reduce_scatter(self, t: torch.Tensor) -> _Launched:
         out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
-        return _Launched(_reduce_scatter_single(out, t, self.group), out)
+        work = _REDUCE_SCATTER_SINGLE(out, t, group=self.group, async_op=True)
+        return _Launched(work, out)
 
 
-def _all_gather_single(out: torch.Tensor, t: torch.Tensor, group):
-    """``out = cat(every rank's t)`` along dim 0, launched; torch 2.13 names it
-    ``all_gather_single``, earlier releases ``all_gather_into_tensor``."""
-    gather = getattr(dist, "all_gather_single", None)
-    if gather is None:
-        return dist.all_gather_into_tensor(out, t, group=group, async_op=True)
-    return gather(out, t, group=group, async_op=True)
-
-
-def _reduce_scatter_single(out: torch.Tensor, t: torch.Tensor, group):
-    """``out = this rank's dim-0 slice of sum(every rank's t)``, launched; torch
-    2.13 names it ``reduce_scatter_single``, earlier releases
-    ``reduce_scatter_tensor``."""
-    scatter = getattr(dist, "reduce_scatter_single", None)
-    if scatter is None:
-        return dist.reduce_scatter_tensor(out, t, group=group, async_op=True)
-    return scatter(out, t, group=group, async_op=True)
+# Single-tensor collectives along dim 0: torch 2.13 names them ``*_single``; earlier
+# releases ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, same arguments.
+_ALL_GATHER_SINGLE = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+_REDUCE_SCATTER_SINGLE = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 def swap_shard_axis(
