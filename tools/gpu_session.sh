@@ -119,8 +119,9 @@ for spec in "$@"; do
         # shellcheck disable=SC2086  # $extra: options for the sharded trimul check
         sp-trimul) run "$name" "${limit:-240}" python3 -m tools.gpu_check_sharded_triangle_multiplication \
             --out "$OUT/$name.json" $extra ;;
-        # shellcheck disable=SC2086  # $extra: options for gpu_check_rollout_graphs.py
-        rollout) run "$name" "${limit:-420}" python3 -m tools.gpu_check_rollout_graphs \
+        # a CUDA-graph key on and off in training steps (--key rollout|trunk)
+        # shellcheck disable=SC2086  # $extra: options for gpu_check_cuda_graphs.py
+        graphs) run "$name" "${limit:-420}" python3 -m tools.gpu_check_cuda_graphs \
             "$OUT/$name.json" $extra ;;
         smooth_lddt) run smooth_lddt "${limit:-240}" python3 -m tools.gpu_check_smooth_lddt ;;
         # shellcheck disable=SC2086

@@ -289,9 +289,26 @@ def measure_into(
     return timing
 
 
-def count_kernel_launches(fn: Callable[[], Any]) -> int | None:
-    """Number of CUDA kernels one call of ``fn`` launches (memcpy and memset
-    excluded), counted with ``torch.profiler``; ``None`` without CUDA."""
+# The CUDA runtime and driver calls that put work on a stream from the host: one
+# per kernel launched on its own, one per graph replayed (however many kernels it
+# holds). Triton launches through the driver, torch's own kernels through the runtime.
+HOST_LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cudaLaunchCooperativeKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cuLaunchCooperativeKernel",
+    "cudaGraphLaunch",
+    "cuGraphLaunch",
+)
+
+
+def count_kernel_launches(fn: Callable[[], Any]) -> dict[str, int] | None:
+    """What one call of ``fn`` launches, counted with ``torch.profiler``:
+    ``kernels``, the CUDA kernels that ran (memcpy and memset excluded, a graph's
+    kernels included), and ``host``, the launch calls the host made
+    (:data:`HOST_LAUNCH_CALLS`: a graph replay is one). ``None`` without CUDA."""
     if not torch.cuda.is_available():
         return None
     from torch.autograd import DeviceType
@@ -303,12 +320,22 @@ def count_kernel_launches(fn: Callable[[], Any]) -> int | None:
         torch.cuda.synchronize()
     # Counting the raw Kineto events skips building the profiler's op tree, which
     # takes minutes for a full training step.
-    return sum(
-        1
+    return launch_counts(
+        (event.device_type() == DeviceType.CUDA, event.name())
         for event in prof.profiler.kineto_results.events()
-        if event.device_type() == DeviceType.CUDA
-        and not event.name().startswith(("Memcpy", "Memset"))
     )
+
+
+def launch_counts(events: Iterable[tuple[bool, str]]) -> dict[str, int]:
+    """``kernels`` and ``host`` launches (see :func:`count_kernel_launches`) of
+    profiler events given as ``(on the GPU, name)``."""
+    kernels = host = 0
+    for on_gpu, name in events:
+        if on_gpu:
+            kernels += not name.startswith(("Memcpy", "Memset"))
+        elif name.startswith(HOST_LAUNCH_CALLS):
+            host += 1
+    return {"kernels": kernels, "host": host}
 
 
 def _json_default(value: Any) -> Any:

@@ -13,6 +13,7 @@ from of3_megafold.extensions import (
     rollout_graphs,
     sequence_parallel,
     smooth_lddt,
+    trunk_graphs,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "rollout_graphs",
     "sequence_parallel",
     "smooth_lddt",
+    "trunk_graphs",
 ]

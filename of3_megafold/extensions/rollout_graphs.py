@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from of3_megafold import registry
 from of3_megafold.kernels.backend import cuda_device
+from of3_megafold.runtime import cuda_graphs
+from of3_megafold.runtime.cuda_graphs import GraphedCall
 
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
@@ -58,69 +59,29 @@ def _cuda_graphs() -> registry.Check:
     )
 
 
-@dataclass
-class GraphedCall:
-    """One captured call: its graph, its static input buffers (by argument name) and
-    the output tensor the graph writes."""
-
-    graph: Any  # torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]
-    output: torch.Tensor
-
-    def replay(self, arguments: dict[str, Any]) -> torch.Tensor:
-        """Copy the tensor ``arguments`` in, replay, return a copy of the output (the
-        graph overwrites its own at the next replay)."""
-        for name, static in self.inputs.items():
-            static.copy_(arguments[name])
-        self.graph.replay()
-        return self.output.clone()
-
-
 class RolloutCaptureError(RuntimeError):
     """The token transformer could not be captured into a CUDA graph."""
 
 
 def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall:
-    """``original(module, **arguments)`` captured into a CUDA graph on a side stream,
-    reading static copies of its tensor arguments. Capture runs nothing: replay it
-    for the result.
+    """``original(module, **arguments)`` captured into a CUDA graph (see
+    :func:`of3_megafold.runtime.cuda_graphs.capture`). The graph lives within one
+    rollout, as autocast's cache of cast weights does, so it reads that cache.
 
     Raises:
         RolloutCaptureError: capture failed (with the CUDA error as its cause)."""
-    inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            # thread_local: other threads (data loaders) may keep using CUDA
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                output = original(module, **{**arguments, **inputs})
-            finally:
-                graph.capture_end()
-    except RuntimeError as error:
-        raise RolloutCaptureError(
+
+    def failed(error: RuntimeError) -> RolloutCaptureError:
+        return RolloutCaptureError(
             f"{NAME}: capturing the rollout's token transformer into a CUDA graph "
             f"failed ({str(error).splitlines()[0]}); an op in it needs the host. "
             "The process's CUDA state is not reliable after a failed capture: set "
             f"model_update.custom.settings.memory.<train|eval>.{FLAG}: false"
-        ) from error
-    finally:
-        torch.cuda.current_stream().wait_stream(stream)
-    return GraphedCall(graph, inputs, output)
+        )
 
-
-def _signature(arguments: dict[str, Any]) -> tuple:
-    """What a graph is specific to: every tensor argument's shape, strides, dtype
-    and device, every other argument's value, and the autocast state."""
-    parts = []
-    for name, value in sorted(arguments.items()):
-        if isinstance(value, torch.Tensor):
-            value = (tuple(value.shape), value.stride(), value.dtype, value.device)
-        parts.append((name, value))
-    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    return tuple(parts), autocast
+    return cuda_graphs.capture(
+        lambda **kw: original(module, **kw), arguments, on_failure=failed
+    )
 
 
 class _RolloutGraphs:
@@ -132,7 +93,7 @@ class _RolloutGraphs:
         self.graphs: dict[tuple, GraphedCall] = {}
 
     def call(self, original, module: Any, arguments: dict[str, Any]) -> torch.Tensor:
-        key = _signature(arguments)
+        key = cuda_graphs.call_signature(arguments)
         graphed = self.graphs.get(key)
         if graphed is not None:
             return graphed.replay(arguments)

@@ -12,6 +12,7 @@ from of3_megafold.bench.common import (
     append_rows,
     benchmark_json,
     environment_metadata,
+    launch_counts,
     measure_into,
     read_rows,
     timed_peak,
@@ -139,3 +140,18 @@ def test_measure_into_times_skips_and_records_out_of_memory():
     assert measure_into(row, out_of_memory) is None
     assert row == {"error": "out of memory"}
 
+
+
+def test_launch_counts_separate_kernels_from_host_launch_calls():
+    events = [
+        (True, "triton_poi_fused_add_0"),
+        (True, "ampere_bf16_s16816gemm"),
+        (True, "Memcpy HtoD (Pageable -> Device)"),
+        (True, "Memset (Device)"),
+        (False, "cudaLaunchKernel"),
+        (False, "cuLaunchKernelEx"),
+        (False, "cudaGraphLaunch"),  # one replay: one launch, whatever it holds
+        (False, "cudaMemcpyAsync"),
+        (False, "aten::mm"),
+    ]
+    assert launch_counts(events) == {"kernels": 2, "host": 3}

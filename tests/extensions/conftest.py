@@ -2,6 +2,7 @@
 interpreter (CI and pixi's ``cpu`` environment set ``TRITON_INTERPRET=1``)."""
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -26,3 +27,42 @@ def device_fallback_messages(caplog):
     return lambda: [
         r.getMessage() for r in caplog.records if "run OF3's own path" in r.getMessage()
     ]
+
+
+class FakeGraph:
+    """Stands in for a CUDA graph on the CPU: a replay calls the function again on
+    the static input buffers (what a graph computes) and writes the output
+    buffer(s). ``log`` records every replay."""
+
+    def __init__(self, original, module, arguments, log: list[str]):
+        self.original, self.module, self.arguments, self.log = (
+            original, module, arguments, log)
+        self.graphed = None
+
+    def replay(self):
+        self.log.append("replay")
+        out = self.original(self.module, **{**self.arguments, **self.graphed.inputs})
+        if isinstance(out, torch.Tensor):
+            self.graphed.output.resize_(out.shape).copy_(out)
+        else:
+            for buffer, value in zip(self.graphed.output, out, strict=True):
+                buffer.resize_(value.shape).copy_(value)
+
+
+def fake_capture(log: list[str], outputs: int):
+    """A ``capture(original, module, arguments)`` that records "capture" in ``log``
+    and returns a :class:`GraphedCall` on a :class:`FakeGraph` whose call returns
+    one tensor (``outputs=1``) or a tuple of ``outputs`` tensors."""
+    from of3_megafold.runtime.cuda_graphs import GraphedCall
+
+    def capture(original, module, arguments):
+        log.append("capture")
+        graph = FakeGraph(original, module, arguments, log)
+        inputs = {k: v.clone() for k, v in arguments.items()
+                  if isinstance(v, torch.Tensor)}
+        output = (torch.empty(0) if outputs == 1
+                  else tuple(torch.empty(0) for _ in range(outputs)))
+        graph.graphed = GraphedCall(graph, inputs, output)
+        return graph.graphed
+
+    return capture

@@ -13,6 +13,7 @@ from of3_megafold.errors import ExtensionUnavailableError
 CUDA_ONLY = [
     ("rollout_graphs", "use_rollout_cuda_graphs", "CUDA graphs need"),
     ("checkpoint_offload", "use_checkpoint_offload", "offloading moves GPU memory"),
+    ("trunk_graphs", "use_trunk_cuda_graphs", "CUDA graphs need"),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from of3_megafold import registry
+from tests.extensions.conftest import fake_capture
 
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
@@ -35,25 +36,9 @@ def _step(harness, n_token: int = 24):
     return harness.step(random_training_batch(n_token, 8, 2, harness.device))
 
 
-class _FakeGraph:
-    """Stands in for a CUDA graph on the CPU: a replay calls the function again on
-    the static input buffers (what a graph computes) and writes the output buffer."""
-
-    def __init__(self, original, module, arguments, log):
-        self.original, self.module, self.arguments, self.log = (
-            original, module, arguments, log)
-        self.graphed = None
-
-    def replay(self):
-        self.log.append("replay")
-        call = {**self.arguments, **self.graphed.inputs}
-        out = self.original(self.module, **call)
-        self.graphed.output.resize_(out.shape).copy_(out)
-
-
 @pytest.fixture
 def recorded_graphs(monkeypatch):
-    """Graph every CPU call of the token transformer through :class:`_FakeGraph`;
+    """Graph every CPU call of the token transformer through a fake graph;
     the value lists what happened, call by call."""
     from of3_megafold.extensions import rollout_graphs
 
@@ -64,17 +49,9 @@ def recorded_graphs(monkeypatch):
         log.append("call")
         return original_call(self, original, module, arguments)
 
-    def capture(original, module, arguments):
-        log.append("capture")
-        graph = _FakeGraph(original, module, arguments, log)
-        inputs = {k: v.clone() for k, v in arguments.items()
-                  if isinstance(v, torch.Tensor)}
-        graph.graphed = rollout_graphs.GraphedCall(graph, inputs, torch.empty(0))
-        return graph.graphed
-
     monkeypatch.setattr(registry.get(NAME), "device_check", lambda: (True, "test"))
     monkeypatch.setattr(rollout_graphs, "graphable", lambda a: True)
-    monkeypatch.setattr(rollout_graphs, "capture", capture)
+    monkeypatch.setattr(rollout_graphs, "capture", fake_capture(log, outputs=1))
     monkeypatch.setattr(rollout_graphs._RolloutGraphs, "call", call)
     return log
 

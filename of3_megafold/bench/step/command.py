@@ -96,7 +96,8 @@ def run_step_bench(
         Timed rows hold ``provider, config, n_token, n_atom, n_msa, n_templ, ms``
         (median per step), ``step_ms, first_step_ms, peak_gib`` (absolute
         ``max_memory_allocated`` during the step: weights, batch, activations,
-        gradients), ``start_gib, launches, recycles, loss`` (OF3's loss breakdown)
+        gradients), ``start_gib``, ``launches`` (kernels run) and ``host_launches``
+        (launch calls, a graph replay one), ``recycles, loss`` (OF3's loss breakdown)
         and the :func:`environment_metadata` fields.
     """
     if repeats < 1 or warmup < 0:

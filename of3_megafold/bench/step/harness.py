@@ -329,8 +329,10 @@ class TrainingStepHarness:
         ]
         return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
-    def count_launches(self, batch: dict) -> int | None:
-        """Kernel launches of one training step (``None`` off CUDA)."""
+    def count_launches(self, batch: dict) -> dict[str, int] | None:
+        """Kernels and host launch calls of one training step
+        (:func:`~of3_megafold.bench.common.count_kernel_launches`; ``None`` off
+        CUDA)."""
         self._prepare()
         return count_kernel_launches(lambda: self._forward_backward(batch))
 

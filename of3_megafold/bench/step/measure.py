@@ -126,7 +126,8 @@ def measure_step(
         "repeats": repeats,
         "peak_gib": max(peaks) if peaks else None,
         "start_gib": last.start_gib,
-        "launches": launches,
+        "launches": None if launches is None else launches["kernels"],
+        "host_launches": None if launches is None else launches["host"],
         "recycles": last.recycles,
         "permutation_alignment": last.permutation_alignment,
         "loss": last.loss,
@@ -140,12 +141,14 @@ def log_row(row: Mapping[str, Any]) -> None:
         logger.info("%s @ %d tokens: %s", row["provider"], row["n_token"], what)
         return
     logger.info(
-        "%s @ %d tokens: %.1f ms/step, peak %s GiB, %s launches, loss %.4f",
+        "%s @ %d tokens: %.1f ms/step, peak %s GiB, %s kernels in %s launches, "
+        "loss %.4f",
         row["provider"],
         row["n_token"],
         row["ms"],
         f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "n/a",
         row.get("launches"),
+        row.get("host_launches"),
         row["loss"]["loss"],
     )
 
@@ -154,7 +157,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A compact text table of step rows (timed rows, probes, max-crop results)."""
     lines = [
         f"{'provider':<16} {'mode':<15} {'tokens':>6} {'s/step':>8} "
-        f"{'peak GiB':>8} {'launches':>9} {'loss':>9} {'grad norm':>10}"
+        f"{'peak GiB':>8} {'kernels':>9} {'launches':>9} {'loss':>9} "
+        f"{'grad norm':>10}"
     ]
     for row in rows:
         if row.get("mode") == "max_crop":
@@ -177,6 +181,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"{seconds:>8} "
             f"{'' if peak is None else f'{peak:.1f}':>8} "
             f"{'' if row.get('launches') is None else row['launches']:>9} "
+            f"{'' if row.get('host_launches') is None else row['host_launches']:>9} "
             f"{'' if loss is None else f'{loss:.4f}':>9} "
             f"{'' if grad is None else f'{grad:.4g}':>10}"
         )

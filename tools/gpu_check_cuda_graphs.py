@@ -1,15 +1,18 @@
-"""Rollout graphs on the full model: a training step with the key on and off, one GPU.
+"""A CUDA-graph key on the full model: training steps with it on and off, one GPU.
 
-    python -m tools.gpu_check_rollout_graphs OUT.json [--tokens 384,768] [--repeats 2]
+    python -m tools.gpu_check_cuda_graphs OUT.json [--key rollout|trunk]
+        [--tokens 384,768] [--repeats 2] [--full-rollout STEPS]
 
 Builds the full OF3 model once with every single-process kit extension on (the step
-harness's ``kit`` provider) and, per token count, runs one warm-up step with
-``use_rollout_cuda_graphs`` off and one with it on, then ``--repeats`` rounds of one
-step each, interleaved (toggling the key on the live config, which the extension
-reads at call time). Prints and writes per variant the step times, the rollout's
-own time (OF3's ``SampleDiffusion.forward`` between two synchronisations, inside
-the step), peak memory, losses and gradient norm, and how far the key-on losses are
-from the key-off ones.
+harness's ``kit`` provider) and, per token count, runs one warm-up step with the
+key (``rollout``: ``use_rollout_cuda_graphs``; ``trunk``: ``use_trunk_cuda_graphs``)
+off and one with it on, then ``--repeats`` rounds of one step each, interleaved
+(toggling the key on the live config, which the extensions read at call time).
+Prints and writes per variant the step times, the graphed part's own time between
+two synchronisations inside the step (OF3's ``SampleDiffusion.forward`` for the
+rollout, ``OpenFold3.run_trunk`` for the trunk), peak memory allocated and the
+memory the allocator holds at the end (graph pools included), losses and gradient
+norm, and how far the key-on losses are from the key-off ones.
 """
 
 from __future__ import annotations
@@ -22,26 +25,43 @@ import sys
 import time
 from pathlib import Path
 
-FLAG = "use_rollout_cuda_graphs"
+# --key -> (the key, "module:Class.method" timed between synchronisations)
+KEYS = {
+    "rollout": (
+        "use_rollout_cuda_graphs",
+        "openfold3.core.model.structure.diffusion_module:SampleDiffusion.forward",
+    ),
+    "trunk": (
+        "use_trunk_cuda_graphs",
+        "openfold3.projects.of3_all_atom.model:OpenFold3.run_trunk",
+    ),
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument("--key", choices=sorted(KEYS), default="rollout")
     parser.add_argument("--tokens", default="384,768")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--full-rollout", type=int, default=0, metavar="STEPS",
                         help="also time a rollout of STEPS steps and 5 samples (as "
                         "validation and inference run it) on the step's trunk "
-                        "outputs, key off and on, twice each")
+                        "outputs, key off and on, twice each (--key rollout)")
     args = parser.parse_args()
 
-    from openfold3.core.model.structure.diffusion_module import SampleDiffusion
+    import importlib
+
+    import torch
 
     from of3_megafold.bench.step import TrainingStepHarness, random_training_batch
 
-    rollout = _RolloutTimer(SampleDiffusion.forward)
-    SampleDiffusion.forward = rollout
+    flag, target = KEYS[args.key]
+    module_name, qualname = target.split(":")
+    owner_name, method = qualname.split(".")
+    owner = getattr(importlib.import_module(module_name), owner_name)
+    timer = _Timer(getattr(owner, method))
+    setattr(owner, method, timer)
 
     started = time.perf_counter()
     harness = TrainingStepHarness("full", "kit", "cuda")
@@ -50,16 +70,16 @@ def main() -> int:
     for n_token in (int(t) for t in args.tokens.split(",")):
         batch = random_training_batch(n_token, 1024, 4, "cuda")
         results = {False: [], True: []}
-        rollouts = {False: [], True: []}
-        for on in (False, True):  # warm-up: compiles, tunes
-            _set_key(harness, on)
+        parts = {False: [], True: []}
+        for on in (False, True):  # warm-up: compiles, tunes (and, on, captures)
+            _set_key(harness, flag, on)
             took = harness.step(batch).ms / 1e3
             print(f"{n_token} tokens, graphs {on}: warm-up {took:.1f} s", flush=True)
         for _ in range(args.repeats):
             for on in (False, True):
-                _set_key(harness, on)
+                _set_key(harness, flag, on)
                 results[on].append(harness.step(batch))
-                rollouts[on].append(rollout.seconds[-1])
+                parts[on].append(timer.seconds[-1])
         off, on = results[False], results[True]
         loss_diff = max(
             abs(r.loss[k] - o.loss[k]) / max(abs(o.loss[k]), 1e-12)
@@ -69,10 +89,13 @@ def main() -> int:
             "tokens": n_token,
             "off_s": [r.ms / 1e3 for r in off],
             "on_s": [r.ms / 1e3 for r in on],
-            "off_rollout_s": rollouts[False],
-            "on_rollout_s": rollouts[True],
+            "key": flag,
+            "part": qualname,
+            "off_part_s": parts[False],
+            "on_part_s": parts[True],
             "off_peak_gib": max(r.peak_gib for r in off),
             "on_peak_gib": max(r.peak_gib for r in on),
+            "reserved_gib": torch.cuda.memory_reserved() / 2**30,
             "off_loss": off[0].loss["loss"],
             "on_loss": on[0].loss["loss"],
             "max_rel_loss_diff": loss_diff,
@@ -85,17 +108,18 @@ def main() -> int:
         med_on = statistics.median(row["on_s"])
         print(
             f"{n_token} tokens: off {med_off:.2f} s ({row['off_s']}), "
-            f"on {med_on:.2f} s ({row['on_s']}), {med_off / med_on:.2f}x; rollout "
-            f"{statistics.median(row['off_rollout_s']):.3f} -> "
-            f"{statistics.median(row['on_rollout_s']):.3f} s; peak "
-            f"{row['off_peak_gib']:.1f} -> {row['on_peak_gib']:.1f} GiB; "
+            f"on {med_on:.2f} s ({row['on_s']}), {med_off / med_on:.2f}x; {method} "
+            f"{statistics.median(row['off_part_s']):.3f} -> "
+            f"{statistics.median(row['on_part_s']):.3f} s; peak "
+            f"{row['off_peak_gib']:.1f} -> {row['on_peak_gib']:.1f} GiB "
+            f"(held {row['reserved_gib']:.1f} GiB); "
             f"loss {row['off_loss']:.6f} / "
             f"{row['on_loss']:.6f} (max rel diff {loss_diff:.2e}); grad norm "
             f"{row['off_grad_norm']:.6f} / {row['on_grad_norm']:.6f}",
             flush=True,
         )
-        if args.full_rollout:
-            row["full_rollout_s"] = _full_rollout(harness, rollout, args.full_rollout)
+        if args.full_rollout and args.key == "rollout":
+            row["full_rollout_s"] = _full_rollout(harness, timer, args.full_rollout)
             print(f"{n_token} tokens, {args.full_rollout} steps x 5 samples: "
                   f"{row['full_rollout_s']}", flush=True)
         args.out.write_text(json.dumps(rows, indent=1))
@@ -103,9 +127,9 @@ def main() -> int:
     return 0
 
 
-class _RolloutTimer:
-    """Stands in for ``SampleDiffusion.forward``: runs it between two
-    synchronisations, keeping its seconds and its last call's arguments."""
+class _Timer:
+    """Stands in for a module's method: runs it between two synchronisations,
+    keeping its seconds and its last call's arguments."""
 
     def __init__(self, forward):
         self.forward = forward
@@ -127,11 +151,11 @@ class _RolloutTimer:
         return out
 
 
-def _set_key(harness, on: bool) -> None:
-    harness.config.settings.memory.train[FLAG] = on
+def _set_key(harness, flag: str, on: bool) -> None:
+    harness.config.settings.memory.train[flag] = on
 
 
-def _full_rollout(harness, rollout: _RolloutTimer, steps: int) -> dict:
+def _full_rollout(harness, rollout: _Timer, steps: int) -> dict:
     """Seconds per rollout of ``steps`` steps and 5 samples, key off and on, on the
     last timed rollout's inputs."""
     import torch
@@ -147,7 +171,7 @@ def _full_rollout(harness, rollout: _RolloutTimer, steps: int) -> dict:
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float32):
         for _ in range(2):
             for on in (False, True):
-                _set_key(harness, on)
+                _set_key(harness, KEYS["rollout"][0], on)
                 rollout(module, *a, **k)
                 times["on" if on else "off"].append(rollout.seconds[-1])
     return times

@@ -1,0 +1,113 @@
+"""Calls captured into CUDA graphs and replayed on new inputs.
+
+A :class:`GraphedCall` holds one captured call of a function: the graph, static
+copies of the call's tensor arguments (the graph reads them by address) and the
+tensors the graph writes. :func:`capture` makes one; :func:`call_signature` says
+what a graph is specific to, so callers key their graphs by it.
+
+Capture runs nothing on the GPU: it records the kernels the call launches, in
+order, on a side stream. Replaying copies new inputs into the static buffers,
+launches the whole graph at once (one launch instead of one per kernel: the host
+time of a launch-bound call) and returns copies of the outputs, which the next
+replay overwrites. Random ops draw from the default CUDA generator as they would
+outside the graph (PyTorch registers it with every capture and advances it at each
+replay).
+
+Imports neither OpenFold3 nor Triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+@dataclass
+class GraphedCall:
+    """One captured call: its graph, its static input buffers (by argument name)
+    and the output tensor(s) the graph writes."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: Outputs
+
+    def replay(self, arguments: dict[str, Any]) -> Outputs:
+        """Copy the tensor ``arguments`` in, replay, return copies of the outputs
+        (the graph overwrites its own at the next replay)."""
+        for name, static in self.inputs.items():
+            static.copy_(arguments[name])
+        self.graph.replay()
+        if isinstance(self.output, torch.Tensor):
+            return self.output.clone()
+        return tuple(t.clone() for t in self.output)
+
+
+def capture(
+    call: Callable[..., Outputs],
+    arguments: dict[str, Any],
+    *,
+    autocast_cache: bool = True,
+    on_failure: Callable[[RuntimeError], Exception],
+) -> GraphedCall:
+    """``call(**arguments)`` captured into a CUDA graph on a side stream, reading
+    static copies of its tensor arguments. Capture computes nothing: replay it for
+    the result.
+
+    Args:
+        call: returns a tensor or a tuple of tensors; must not synchronise with the
+            host.
+        arguments: keyword arguments; the tensors among them are copied into the
+            graph's static inputs, the rest passed as they are.
+        autocast_cache: leave autocast's cast cache as it is. With ``False`` the
+            casts of weights are captured as kernels instead of read from the
+            cache, so the graph stays valid after the cache is cleared (it is at
+            every training step); replays then cast the weights again.
+        on_failure: turns the capture's error into the exception raised.
+
+    Raises:
+        Whatever ``on_failure`` returns, with the CUDA error as its cause.
+    """
+    inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream), _autocast_cache(autocast_cache):
+            # thread_local: other threads (data loaders) may keep using CUDA
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                output = call(**{**arguments, **inputs})
+            finally:
+                graph.capture_end()
+    except RuntimeError as error:
+        raise on_failure(error) from error
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+    return GraphedCall(graph, inputs, output)
+
+
+def _autocast_cache(enabled: bool):
+    """Autocast as it is, with its cast cache off unless ``enabled``."""
+    if enabled or not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(
+        "cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False
+    )
+
+
+def call_signature(arguments: dict[str, Any]) -> tuple:
+    """What a graph is specific to: every tensor argument's shape, strides, dtype
+    and device, every other argument's value, and the autocast state."""
+    parts = []
+    for name, value in sorted(arguments.items()):
+        if isinstance(value, torch.Tensor):
+            value = (tuple(value.shape), value.stride(), value.dtype, value.device)
+        parts.append((name, value))
+    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    return tuple(parts), autocast
