@@ -96,13 +96,22 @@ def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall:
 
 
 class StackGraphs:
-    """One stack's graphs, by key, least recently used first."""
+    """One stack's graphs, by key, least recently used first.
+
+    A copy of the stack (``copy.deepcopy``, pickling) starts with none: the graphs
+    read the original's parameters and buffers by address."""
 
     def __init__(self) -> None:
         self.graphs: collections.OrderedDict[tuple, GraphedCall] = (
             collections.OrderedDict()
         )
         self.seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+
+    def __deepcopy__(self, memo: dict) -> StackGraphs:
+        return StackGraphs()
+
+    def __reduce__(self):
+        return StackGraphs, ()
 
     def call(self, original, module: Any, arguments: dict[str, Any]):
         key = (

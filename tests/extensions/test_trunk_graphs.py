@@ -160,6 +160,23 @@ def test_replays_read_updated_weights_and_moved_weights_make_a_new_key(monkeypat
     assert log == []  # a new key: OF3's call
 
 
+def test_a_copied_stack_starts_without_graphs(monkeypatch):
+    import copy
+    import pickle
+
+    from of3_megafold.extensions import trunk_graphs
+
+    monkeypatch.setattr(trunk_graphs, "capture", fake_capture([], outputs=1))
+    stack, graphs = _Stack(), trunk_graphs.StackGraphs()
+    for _ in range(2):
+        _call(graphs, stack, torch.randn(4, 3))
+    stack.__dict__["_megafold_trunk_graphs"] = graphs
+    assert graphs.graphs
+    for copied in (copy.deepcopy(stack), pickle.loads(pickle.dumps(stack))):
+        fresh = copied.__dict__["_megafold_trunk_graphs"]
+        assert fresh is not graphs and not fresh.graphs and not fresh.seen
+
+
 def test_calls_with_autograd_chunks_or_cpu_tensors_run_as_of3s(kit, monkeypatch):
     from openfold3.core.model.latent.pairformer import PairFormerStack
 
