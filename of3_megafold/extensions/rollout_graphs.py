@@ -71,16 +71,12 @@ def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall:
     Raises:
         RolloutCaptureError: capture failed (with the CUDA error as its cause)."""
 
-    def failed(error: RuntimeError) -> RolloutCaptureError:
-        return RolloutCaptureError(
-            f"{NAME}: capturing the rollout's token transformer into a CUDA graph "
-            f"failed ({str(error).splitlines()[0]}); an op in it needs the host. "
-            "The process's CUDA state is not reliable after a failed capture: set "
-            f"model_update.custom.settings.memory.<train|eval>.{FLAG}: false"
-        )
-
     return cuda_graphs.capture(
-        lambda **kw: original(module, **kw), arguments, on_failure=failed
+        lambda **kw: original(module, **kw),
+        arguments,
+        error=RolloutCaptureError,
+        what=f"{NAME}: the rollout's token transformer",
+        flag=FLAG,
     )
 
 

@@ -79,19 +79,13 @@ def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall:
     Raises:
         TrunkCaptureError: capture failed (with the CUDA error as its cause)."""
 
-    def failed(error: RuntimeError) -> TrunkCaptureError:
-        return TrunkCaptureError(
-            f"{NAME}: capturing OF3's {type(module).__name__} into a CUDA graph "
-            f"failed ({str(error).splitlines()[0]}); an op in it needs the host. "
-            "The process's CUDA state is not reliable after a failed capture: set "
-            f"model_update.custom.settings.memory.<train|eval>.{FLAG}: false"
-        )
-
     return cuda_graphs.capture(
         lambda **kw: original(module, **kw),
         arguments,
         autocast_cache=False,
-        on_failure=failed,
+        error=TrunkCaptureError,
+        what=f"{NAME}: OF3's {type(module).__name__}",
+        flag=FLAG,
     )
 
 

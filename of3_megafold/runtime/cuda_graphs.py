@@ -53,7 +53,9 @@ def capture(
     arguments: dict[str, Any],
     *,
     autocast_cache: bool = True,
-    on_failure: Callable[[RuntimeError], Exception],
+    error: type[Exception],
+    what: str,
+    flag: str,
 ) -> GraphedCall:
     """``call(**arguments)`` captured into a CUDA graph on a side stream, reading
     static copies of its tensor arguments. Capture computes nothing: replay it for
@@ -68,10 +70,13 @@ def capture(
             casts of weights are captured as kernels instead of read from the
             cache, so the graph stays valid after the cache is cleared (it is at
             every training step); replays then cast the weights again.
-        on_failure: turns the capture's error into the exception raised.
+        error, what, flag: the exception raised if capture fails, naming ``what``
+            was captured and the ``settings.memory`` key ``flag`` that turns it off.
 
     Raises:
-        Whatever ``on_failure`` returns, with the CUDA error as its cause.
+        ``error``, with the CUDA error as its cause: an op in the call needs the
+        host. It does not fall back: after a failed capture the process's CUDA
+        generator stays in capture mode.
     """
     inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
     graph = torch.cuda.CUDAGraph()
@@ -85,8 +90,13 @@ def capture(
                 output = call(**{**arguments, **inputs})
             finally:
                 graph.capture_end()
-    except RuntimeError as error:
-        raise on_failure(error) from error
+    except RuntimeError as cause:
+        raise error(
+            f"capturing {what} into a CUDA graph failed "
+            f"({str(cause).splitlines()[0]}); an op in it needs the host. The "
+            "process's CUDA state is not reliable after a failed capture: set "
+            f"model_update.custom.settings.memory.<train|eval>.{flag}: false"
+        ) from cause
     finally:
         torch.cuda.current_stream().wait_stream(stream)
     return GraphedCall(graph, inputs, output)
