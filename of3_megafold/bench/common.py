@@ -304,11 +304,10 @@ HOST_LAUNCH_CALLS = (
 )
 
 
-def count_kernel_launches(fn: Callable[[], Any]) -> dict[str, int] | None:
-    """What one call of ``fn`` launches, counted with ``torch.profiler``:
-    ``kernels``, the CUDA kernels that ran (memcpy and memset excluded, a graph's
-    kernels included), and ``host``, the launch calls the host made
-    (:data:`HOST_LAUNCH_CALLS`: a graph replay is one). ``None`` without CUDA."""
+def count_kernel_launches(fn: Callable[[], Any]) -> dict[str, float] | None:
+    """What one call of ``fn`` launches, counted with ``torch.profiler`` (see
+    :func:`launch_counts`): kernels run, host launch calls and the GPU's busy time.
+    ``None`` without CUDA."""
     if not torch.cuda.is_available():
         return None
     from torch.autograd import DeviceType
@@ -321,21 +320,53 @@ def count_kernel_launches(fn: Callable[[], Any]) -> dict[str, int] | None:
     # Counting the raw Kineto events skips building the profiler's op tree, which
     # takes minutes for a full training step.
     return launch_counts(
-        (event.device_type() == DeviceType.CUDA, event.name())
+        GpuEvent(
+            event.device_type() == DeviceType.CUDA,
+            event.name(),
+            event.start_ns(),
+            event.end_ns(),
+        )
         for event in prof.profiler.kineto_results.events()
     )
 
 
-def launch_counts(events: Iterable[tuple[bool, str]]) -> dict[str, int]:
-    """``kernels`` and ``host`` launches (see :func:`count_kernel_launches`) of
-    profiler events given as ``(on the GPU, name)``."""
+class GpuEvent(NamedTuple):
+    """One profiler event: on the GPU or the host, its name, start and end (ns)."""
+
+    on_gpu: bool
+    name: str
+    start_ns: int
+    end_ns: int
+
+
+def launch_counts(events: Iterable[GpuEvent]) -> dict[str, float]:
+    """What a profiled call put on the GPU, from its profiler events:
+
+    - ``kernels``: the CUDA kernels that ran (memcpy and memset excluded, a graph's
+      kernels included);
+    - ``host``: the launch calls the host made (:data:`HOST_LAUNCH_CALLS`; a graph
+      replay is one, however many kernels it holds);
+    - ``gpu_busy_ms``: the time the GPU had work, the union of every GPU event's
+      interval (kernels, copies and fills; overlapping streams counted once).
+    """
     kernels = host = 0
-    for on_gpu, name in events:
-        if on_gpu:
-            kernels += not name.startswith(("Memcpy", "Memset"))
-        elif name.startswith(HOST_LAUNCH_CALLS):
+    intervals = []
+    for event in events:
+        if event.on_gpu:
+            kernels += not event.name.startswith(("Memcpy", "Memset"))
+            intervals.append((event.start_ns, event.end_ns))
+        elif event.name.startswith(HOST_LAUNCH_CALLS):
             host += 1
-    return {"kernels": kernels, "host": host}
+    busy_ns = 0
+    covered_to = None
+    for start, end in sorted(intervals):
+        if covered_to is None or start > covered_to:
+            busy_ns += end - start
+            covered_to = end
+        elif end > covered_to:
+            busy_ns += end - covered_to
+            covered_to = end
+    return {"kernels": kernels, "host": host, "gpu_busy_ms": busy_ns / 1e6}
 
 
 def _json_default(value: Any) -> Any:

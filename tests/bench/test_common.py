@@ -8,6 +8,7 @@ import torch
 
 from of3_megafold.bench.common import (
     METADATA_FIELDS,
+    GpuEvent,
     Timing,
     append_rows,
     benchmark_json,
@@ -141,17 +142,31 @@ def test_measure_into_times_skips_and_records_out_of_memory():
     assert row == {"error": "out of memory"}
 
 
-
 def test_launch_counts_separate_kernels_from_host_launch_calls():
     events = [
-        (True, "triton_poi_fused_add_0"),
-        (True, "ampere_bf16_s16816gemm"),
-        (True, "Memcpy HtoD (Pageable -> Device)"),
-        (True, "Memset (Device)"),
-        (False, "cudaLaunchKernel"),
-        (False, "cuLaunchKernelEx"),
-        (False, "cudaGraphLaunch"),  # one replay: one launch, whatever it holds
-        (False, "cudaMemcpyAsync"),
-        (False, "aten::mm"),
+        GpuEvent(True, "triton_poi_fused_add_0", 0, 10),
+        GpuEvent(True, "ampere_bf16_s16816gemm", 20, 30),
+        GpuEvent(True, "Memcpy HtoD (Pageable -> Device)", 40, 45),
+        GpuEvent(True, "Memset (Device)", 50, 51),
+        GpuEvent(False, "cudaLaunchKernel", 0, 1),
+        GpuEvent(False, "cuLaunchKernelEx", 1, 2),
+        GpuEvent(False, "cudaGraphLaunch", 2, 3),  # one replay: one launch
+        GpuEvent(False, "cudaMemcpyAsync", 3, 4),
+        GpuEvent(False, "aten::mm", 0, 100),
     ]
-    assert launch_counts(events) == {"kernels": 2, "host": 3}
+    counts = launch_counts(events)
+    assert (counts["kernels"], counts["host"]) == (2, 3)
+    # the GPU events' intervals only; the host's 100 ns aten::mm is not GPU time
+    assert counts["gpu_busy_ms"] == pytest.approx(26e-6)
+
+
+def test_gpu_busy_time_counts_overlapping_streams_once():
+    events = [
+        GpuEvent(True, "a", 100, 200),
+        GpuEvent(True, "b", 150, 180),  # inside a
+        GpuEvent(True, "c", 190, 260),  # overlaps a's end
+        GpuEvent(True, "d", 300, 310),  # after a gap
+        GpuEvent(True, "e", 0, 50),  # listed out of order
+    ]
+    assert launch_counts(events)["gpu_busy_ms"] == pytest.approx(220e-6)
+    assert launch_counts([])["gpu_busy_ms"] == 0

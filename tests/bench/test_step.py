@@ -27,6 +27,8 @@ STEP_FIELDS = {
     "ms",
     "peak_gib",
     "launches",
+    "host_launches",
+    "gpu_busy_ms",
     "loss",
     "recycles",
     "oom",
@@ -63,6 +65,7 @@ def test_tiny_step_rows_are_written(tmp_path, no_registry):
     assert row["n_token"] == 16 and row["n_msa"] == 8 and row["n_templ"] == 2
     assert row["ms"] > 0 and math.isfinite(row["ms"])
     assert row["peak_gib"] is None and row["launches"] is None  # CPU
+    assert row["host_launches"] is None and row["gpu_busy_ms"] is None
     assert row["precision"] == "fp32"
     # OF3's first training draw from its generator seeded with sync_seed 0 (which
     # happens to equal the tiny config's maximum, 3: see the test below).

@@ -97,7 +97,8 @@ def run_step_bench(
         (median per step), ``step_ms, first_step_ms, peak_gib`` (absolute
         ``max_memory_allocated`` during the step: weights, batch, activations,
         gradients), ``start_gib``, ``launches`` (kernels run) and ``host_launches``
-        (launch calls, a graph replay one), ``recycles, loss`` (OF3's loss breakdown)
+        (launch calls, a graph replay one) and ``gpu_busy_ms`` (the GPU's busy time),
+        all three of one profiled step, ``recycles, loss`` (OF3's loss breakdown)
         and the :func:`environment_metadata` fields.
     """
     if repeats < 1 or warmup < 0:

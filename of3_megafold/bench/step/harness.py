@@ -329,8 +329,8 @@ class TrainingStepHarness:
         ]
         return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
-    def count_launches(self, batch: dict) -> dict[str, int] | None:
-        """Kernels and host launch calls of one training step
+    def count_launches(self, batch: dict) -> dict[str, float] | None:
+        """Kernels, host launch calls and GPU busy time of one training step
         (:func:`~of3_megafold.bench.common.count_kernel_launches`; ``None`` off
         CUDA)."""
         self._prepare()

@@ -128,6 +128,7 @@ def measure_step(
         "start_gib": last.start_gib,
         "launches": None if launches is None else launches["kernels"],
         "host_launches": None if launches is None else launches["host"],
+        "gpu_busy_ms": None if launches is None else launches["gpu_busy_ms"],
         "recycles": last.recycles,
         "permutation_alignment": last.permutation_alignment,
         "loss": last.loss,
@@ -142,13 +143,14 @@ def log_row(row: Mapping[str, Any]) -> None:
         return
     logger.info(
         "%s @ %d tokens: %.1f ms/step, peak %s GiB, %s kernels in %s launches, "
-        "loss %.4f",
+        "GPU busy %s ms, loss %.4f",
         row["provider"],
         row["n_token"],
         row["ms"],
         f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else "n/a",
         row.get("launches"),
         row.get("host_launches"),
+        row.get("gpu_busy_ms"),
         row["loss"]["loss"],
     )
 
