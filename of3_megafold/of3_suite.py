@@ -34,6 +34,9 @@ CI_SUBSET = (
     "test_sequence_local_atom_attention.py",
     "test_kernels.py",
     "test_entry_points.py",
+    "test_atomize_utils.py",
+    "test_confidence_loss.py",
+    "core/utils/test_relpos.py",
 )
 """The files that exercise what the kit replaces, and OF3's config entry points."""
 

@@ -40,6 +40,8 @@ FLAGS = {
     ),
     "smooth_lddt": ("loss", "smooth_lddt_backend"),
     "rollout_graphs": ("memory", "use_rollout_cuda_graphs"),
+    "trunk_graphs": ("memory", "use_trunk_cuda_graphs"),
+    "sync_free_indexing": ("memory", "use_sync_free_indexing"),
 }
 
 

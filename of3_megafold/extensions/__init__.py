@@ -13,6 +13,7 @@ from of3_megafold.extensions import (
     rollout_graphs,
     sequence_parallel,
     smooth_lddt,
+    sync_free_indexing,
     trunk_graphs,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "rollout_graphs",
     "sequence_parallel",
     "smooth_lddt",
+    "sync_free_indexing",
     "trunk_graphs",
 ]
