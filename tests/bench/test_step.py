@@ -470,7 +470,17 @@ def test_rival_providers_run_only_when_named(no_registry, monkeypatch):
         step.provider_update("stock-cueq", "cuda")
 
 
-def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(monkeypatch):
+@pytest.fixture
+def ieee_fp32_matmuls():
+    """The harness's default matmul precision for the test (an OF3 run earlier in
+    the process may have left its own)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_a_failing_rival_is_a_row_error_and_tf32_is_scoped(ieee_fp32_matmuls):
     seen = []
 
     class _Harness:
