@@ -196,3 +196,52 @@ def test_an_unreadable_json_is_refused(tmp_path):
     )
     assert result.exit_code != 0
     assert "cannot be read as a list of benchmark rows" in result.output
+
+
+def test_a_memory_probe_ladder_runs_the_first_trunk_blocks_only(tmp_path, monkeypatch):
+    """With ``ladder_trunk_blocks`` the ladder's predictions run that many of the
+    trunk's pairformer blocks (counted by hooks), their rows carry the count, and
+    the model has all its blocks back after the walk."""
+    out = tmp_path / bench_predict.JSON_NAME
+    calls: list[int] = []
+    predictors = []
+
+    class Recorded(bench_predict.Predictor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            predictors.append(self)
+            for index, block in enumerate(self.model.pairformer_stack.blocks):
+                block.register_forward_hook(lambda *_, index=index: calls.append(index))
+
+        def close(self):
+            self.after = self.trunk_blocks
+            super().close()
+
+    monkeypatch.setattr(bench_predict, "Predictor", Recorded)
+    update = {
+        "architecture": {
+            "pairformer": {"no_blocks": 3},
+            **FEW_ROLLOUT_STEPS["architecture"],
+        }
+    }
+    rows = bench_predict.run_predict_bench(
+        ["stock"],
+        [16],
+        out,
+        ladder=[24],
+        ladder_recycles=0,
+        ladder_trunk_blocks=1,
+        device="cpu",
+        config="tiny",
+        update=update,
+    )
+    assert [(r["n_token"], r.get("trunk_blocks")) for r in rows] == [
+        (16, None),
+        (24, 1),
+    ]
+    recycles = rows[0]["recycles"]
+    # blocks 1 and 2 run once per cycle of the warm-up and the timed prediction at
+    # 16 tokens only; block 0 also in the probe (and in OF3's chunk-size trials)
+    assert calls.count(1) == calls.count(2) == 2 * (recycles + 1)
+    assert calls.count(0) > calls.count(1) and calls[-1] == 0
+    assert predictors[0].after == 3
