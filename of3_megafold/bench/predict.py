@@ -209,33 +209,20 @@ class Predictor:
         """The trunk's recycles in the next prediction."""
         return int(self.model.shared.num_recycles)
 
-    @property
-    def trunk_blocks(self) -> int:
-        """The pairformer blocks of the trunk in the next prediction."""
-        return len(self.model.pairformer_stack.blocks)
-
     @contextlib.contextmanager
-    def shortened(
-        self, steps: int | None, recycles: int | None, trunk_blocks: int | None = None
-    ) -> Iterator[None]:
-        """Within, predictions roll out ``steps`` steps, run ``recycles`` recycles
-        and the trunk's first ``trunk_blocks`` pairformer blocks (None: the
-        config's)."""
+    def shortened(self, steps: int | None, recycles: int | None) -> Iterator[None]:
+        """Within, predictions roll out ``steps`` steps and run ``recycles``
+        recycles (None: the config's)."""
         shared = self.model.shared
-        stack = self.model.pairformer_stack
         before = shared.diffusion.no_full_rollout_steps, shared.num_recycles
-        blocks = stack.blocks
         if steps is not None:
             shared.diffusion.no_full_rollout_steps = steps
         if recycles is not None:
             shared.num_recycles = recycles
-        if trunk_blocks is not None:
-            stack.blocks = torch.nn.ModuleList(list(blocks)[:trunk_blocks])
         try:
             yield
         finally:
             shared.diffusion.no_full_rollout_steps, shared.num_recycles = before
-            stack.blocks = blocks
 
     def close(self) -> None:
         del self.model
@@ -323,7 +310,6 @@ def run_predict_bench(
     ladder: Sequence[int] = (),
     ladder_rollout_steps: int | None = 20,
     ladder_recycles: int | None = 0,
-    ladder_trunk_blocks: int | None = None,
     budget_s: float = 600.0,
     n_msa: int = 16,
     n_templ: int = 2,
@@ -364,7 +350,7 @@ def run_predict_bench(
             _run_provider(
                 predictor,
                 sizes,
-                (ladder, ladder_rollout_steps, ladder_recycles, ladder_trunk_blocks),
+                (ladder, ladder_rollout_steps, ladder_recycles),
                 budget_s,
                 (n_msa, n_templ),
                 references,
@@ -378,7 +364,7 @@ def run_predict_bench(
 def _run_provider(
     predictor: Predictor,
     sizes: Sequence[int],
-    ladder: tuple[Sequence[int], int | None, int | None, int | None],
+    ladder: tuple[Sequence[int], int | None, int | None],
     budget_s: float,
     msa_templ: tuple[int, int],
     references: dict[int, Prediction],
@@ -386,8 +372,8 @@ def _run_provider(
 ) -> None:
     """One provider: a warm-up and a timed prediction at each of ``sizes``, the
     outputs compared with ``references`` (the first provider's, filled in by it),
-    then the ladder walk (its sizes, rollout steps, recycles and trunk blocks),
-    one prediction per size."""
+    then the ladder walk (its sizes, rollout steps and recycles), one prediction
+    per size."""
 
     def timed(n_token: int, warm_up: bool) -> Prediction:
         batch = predictor.batch(n_token, *msa_templ)
@@ -416,22 +402,17 @@ def _run_provider(
         write(row)
         last = (n_token, result.ms / 1e3)
 
-    sizes, steps, recycles, trunk_blocks = ladder
-    # a ladder of fewer trunk blocks probes memory only: its rows say so
-    probe = {} if trunk_blocks is None else {"trunk_blocks": trunk_blocks}
-
     def attempt(n_token: int) -> float:
         result = timed(n_token, warm_up=False)
-        write({**fields(n_token, result), "ladder": True, **probe})
+        write({**fields(n_token, result), "ladder": True})
         return result.ms / 1e3
 
-    with predictor.shortened(steps, recycles, trunk_blocks):
-        if trunk_blocks is not None:
-            last = None  # full-length times do not predict the probe's
+    sizes, steps, recycles = ladder
+    with predictor.shortened(steps, recycles):
         for outcome in walk_ladder(attempt, sizes, budget_s, last):
             free_device_memory()
             if outcome["status"] != "ok":
-                write({**outcome, "ladder": True, **probe})
+                write({**outcome, "ladder": True})
 
 
 def _describe(row: dict[str, Any]) -> str:
@@ -519,14 +500,6 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     help="Trunk recycles of the ladder's predictions (time, not memory).",
 )
 @click.option(
-    "--ladder-trunk-blocks",
-    type=int,
-    default=None,
-    help="Run only the trunk's first N pairformer blocks on the ladder: a memory "
-    "probe (without autograd each block frees its activations before the next, "
-    "so the peak does not depend on N; the times do). Default: all 48.",
-)
-@click.option(
     "--budget-minutes",
     type=float,
     default=10.0,
@@ -545,7 +518,6 @@ def predict_command(
     ladder,
     ladder_rollout_steps,
     ladder_recycles,
-    ladder_trunk_blocks,
     budget_minutes,
     out_dir,
     quick,
@@ -585,7 +557,6 @@ def predict_command(
             ladder=ladder_sizes,
             ladder_rollout_steps=ladder_rollout_steps,
             ladder_recycles=ladder_recycles,
-            ladder_trunk_blocks=ladder_trunk_blocks,
             budget_s=budget_minutes * 60,
             device=device,
             config=config,
