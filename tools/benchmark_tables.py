@@ -46,8 +46,7 @@ def _mib(value: float) -> str:
 
 def _failure(row: Row) -> str | None:
     """What a row that measured nothing says: out of memory, or the error."""
-    if (row.get("oom") or row.get("error") == "out of memory"
-            or row.get("status") == "oom"):
+    if row.get("oom") or row.get("error") == "out of memory":
         return "OOM"
     if row.get("error"):
         return "fails"
@@ -235,22 +234,11 @@ TABLES: tuple[Table, ...] = (
         "predict",
         ("n_token", "rollout_steps", "recycles"),
         ("kit", "stock-triton", "stock"),
-        # rows whose zero output layers were drawn at bench predict's gain, with
-        # every trunk block (the memory probe's rows have their own table)
-        include=lambda row: "output_gain" in row and "trunk_blocks" not in row,
+        # rows whose zero output layers were drawn at bench predict's gain
+        include=lambda row: "output_gain" in row,
         cell=step_cell,
         ratio=("stock-triton", "kit"),
         labels=("tokens", "rollout steps", "recycles"),
-    ),
-    Table(
-        "predict_memory",
-        "predict",
-        ("n_token", "trunk_blocks"),
-        ("kit", "stock-triton"),
-        include=lambda row: "trunk_blocks" in row and row["status"] in ("ok", "oom"),
-        cell=lambda row: _failure(row) or f"{row['peak_gib']:.1f} GiB",
-        labels=("tokens", "trunk blocks"),
-        needs="peak_gib",
     ),
     Table(
         "features",
