@@ -80,9 +80,6 @@ class TensorCache:
             self._entries.popitem(last=False)
         return value
 
-    def clear(self) -> None:
-        self._entries.clear()
-
 
 def _dropper(cache: weakref.ref, key: tuple) -> Callable[[weakref.ref], None]:
     """A weakref callback that drops ``key`` from the cache (if both still live)."""
