@@ -65,7 +65,9 @@ _MODELS: weakref.WeakSet = weakref.WeakSet()
 """Every ``OpenFold3`` model built while the kit is active."""
 
 
-def _enabled() -> bool:
+def enabled() -> bool:
+    """Whether the helpers run the kit's versions now: forced, or a live model has
+    the key on for its current mode."""
     if registry.forced_variant(NAME) is not None:
         return True
     return any(registry.module_flag(model, FLAG) for model in list(_MODELS))
@@ -217,7 +219,7 @@ def _patch_broadcast(original):
         token_dim=-1,
         max_num_atoms_per_token=None,
     ):
-        run = broadcast_token_feat_to_atoms if _enabled() else original
+        run = broadcast_token_feat_to_atoms if enabled() else original
         return run(
             token_mask,
             num_atoms_per_token,
@@ -231,7 +233,7 @@ def _patch_broadcast(original):
 
 def _patch_atom_index_offset(original):
     def atom_index_offset(atom_name, restype):
-        run = get_token_atom_index_offset if _enabled() else original
+        run = get_token_atom_index_offset if enabled() else original
         return run(atom_name, restype)
 
     return atom_index_offset
@@ -239,7 +241,7 @@ def _patch_atom_index_offset(original):
 
 def _patch_cyclic_offsets(original):
     def apply_cyclic_offsets(offset, pos, cyclic_mask, asym_id):
-        if cyclic_mask is not None and _enabled() and not any_cyclic(cyclic_mask):
+        if cyclic_mask is not None and enabled() and not any_cyclic(cyclic_mask):
             return offset
         return original(
             offset=offset, pos=pos, cyclic_mask=cyclic_mask, asym_id=asym_id

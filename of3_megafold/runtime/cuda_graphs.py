@@ -3,7 +3,10 @@
 A :class:`GraphedCall` holds one captured call of a function: the graph, static
 copies of the call's tensor arguments (the graph reads them by address) and the
 tensors the graph writes. :func:`capture` makes one; :func:`call_signature` says
-what a graph is specific to, so callers key their graphs by it.
+what a graph is specific to, so callers key their graphs by it. Arguments a caller
+names *constants* are not copied: the graph reads the very objects of the captured
+call (tensors, or dicts of them), holds them alive, and its signature names them by
+identity, so a call with other objects is another key.
 
 Capture runs nothing on the GPU: it records the kernels the call launches, in
 order, on a side stream. Replaying copies new inputs into the static buffers,
@@ -30,12 +33,14 @@ Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 @dataclass
 class GraphedCall:
-    """One captured call: its graph, its static input buffers (by argument name)
-    and the output tensor(s) the graph writes."""
+    """One captured call: its graph, its static input buffers (by argument name),
+    the output tensor(s) the graph writes, and what else it reads by address and
+    keeps alive (constant arguments, tensors the call took from caches)."""
 
     graph: Any  # torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     output: Outputs
+    held: tuple = ()
 
     def replay(self, arguments: dict[str, Any]) -> Outputs:
         """Copy the tensor ``arguments`` in, replay, return copies of the outputs
@@ -52,6 +57,7 @@ def capture(
     call: Callable[..., Outputs],
     arguments: dict[str, Any],
     *,
+    constants: frozenset[str] = frozenset(),
     autocast_cache: bool = True,
     error: type[Exception],
     what: str,
@@ -66,6 +72,9 @@ def capture(
             host.
         arguments: keyword arguments; the tensors among them are copied into the
             graph's static inputs, the rest passed as they are.
+        constants: names of arguments the graph reads in place instead (held by
+            the returned call); the caller must not change their values between
+            replays.
         autocast_cache: leave autocast's cast cache as it is. With ``False`` the
             casts of weights are captured as kernels instead of read from the
             cache, so the graph stays valid after the cache is cleared (it is at
@@ -78,7 +87,11 @@ def capture(
         host. It does not fall back: after a failed capture the process's CUDA
         generator stays in capture mode.
     """
-    inputs = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    inputs = {
+        k: v.clone()
+        for k, v in arguments.items()
+        if isinstance(v, torch.Tensor) and k not in constants
+    }
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -99,7 +112,8 @@ def capture(
         ) from cause
     finally:
         torch.cuda.current_stream().wait_stream(stream)
-    return GraphedCall(graph, inputs, output)
+    held = tuple(arguments[k] for k in constants if k in arguments)
+    return GraphedCall(graph, inputs, output, held)
 
 
 def _autocast_cache(enabled: bool):
@@ -111,12 +125,17 @@ def _autocast_cache(enabled: bool):
     )
 
 
-def call_signature(arguments: dict[str, Any]) -> tuple:
+def call_signature(
+    arguments: dict[str, Any], constants: frozenset[str] = frozenset()
+) -> tuple:
     """What a graph is specific to: every tensor argument's shape, strides, dtype
-    and device, every other argument's value, and the autocast state."""
+    and device, the identity of every argument in ``constants``, every other
+    argument's value, and the autocast state."""
     parts = []
     for name, value in sorted(arguments.items()):
-        if isinstance(value, torch.Tensor):
+        if name in constants:
+            value = ("object", id(value))
+        elif isinstance(value, torch.Tensor):
             value = (tuple(value.shape), value.stride(), value.dtype, value.device)
         parts.append((name, value))
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))

@@ -8,16 +8,39 @@ a training step asks for the same facts of the same batch tensors dozens of time
 an in-place change to a tensor bumps its version and misses the cache, and an
 entry dies with any of its tensors. Inference tensors (made under
 ``torch.inference_mode``) carry no version counter and are never cached.
+
+A CUDA graph captured over a call that takes values from a cache reads them by
+address long after the lookup; :func:`retaining` collects what the caches hand out
+while it is open, so the graph's owner can keep those values alive after the cache
+drops them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+_RETAINED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "of3_megafold_tensor_cache_retained", default=None
+)
+
+
+@contextlib.contextmanager
+def retaining() -> Iterator[list]:
+    """Collect every value any :class:`TensorCache` returns while open, in a list
+    the caller keeps (values read later by address, as by a CUDA graph)."""
+    retained: list = []
+    token = _RETAINED.set(retained)
+    try:
+        yield retained
+    finally:
+        _RETAINED.reset(token)
 
 
 def cacheable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -61,7 +84,7 @@ class TensorCache:
             compute: computes the value from ``tensors`` and ``extra``.
         """
         if not cacheable(tensors):
-            return compute()
+            return _retained(compute())
         key = (tuple((id(t), t._version) for t in tensors), extra)
         entry = self._entries.get(key)
         # an id is reused only after its tensor died, whose callback dropped the
@@ -71,14 +94,22 @@ class TensorCache:
         ):
             self.hits += 1
             self._entries.move_to_end(key)
-            return entry[1]
+            return _retained(entry[1])
         self.misses += 1
         value = compute()
         drop = _dropper(weakref.ref(self), key)
         self._entries[key] = (tuple(weakref.ref(t, drop) for t in tensors), value)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
-        return value
+        return _retained(value)
+
+
+def _retained(value: Any) -> Any:
+    """``value``, added to the open :func:`retaining` list if there is one."""
+    retained = _RETAINED.get()
+    if retained is not None:
+        retained.append(value)
+    return value
 
 
 def _dropper(cache: weakref.ref, key: tuple) -> Callable[[weakref.ref], None]:

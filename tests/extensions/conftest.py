@@ -50,19 +50,23 @@ class FakeGraph:
 
 
 def fake_capture(log: list[str], outputs: int):
-    """A ``capture(original, module, arguments)`` that records "capture" in ``log``
-    and returns a :class:`GraphedCall` on a :class:`FakeGraph` whose call returns
-    one tensor (``outputs=1``) or a tuple of ``outputs`` tensors."""
+    """A ``capture(original, module, arguments, constants=())`` that records
+    "capture" in ``log`` and returns a :class:`GraphedCall` on a :class:`FakeGraph`
+    whose call returns one tensor (``outputs=1``) or a tuple of ``outputs`` tensors.
+    Like a graph it copies tensor arguments into static buffers, except those named
+    in ``constants``, which its replays read as they were at capture and which it
+    holds."""
     from of3_megafold.runtime.cuda_graphs import GraphedCall
 
-    def capture(original, module, arguments):
+    def capture(original, module, arguments, constants=frozenset()):
         log.append("capture")
         graph = FakeGraph(original, module, arguments, log)
         inputs = {k: v.clone() for k, v in arguments.items()
-                  if isinstance(v, torch.Tensor)}
+                  if isinstance(v, torch.Tensor) and k not in constants}
         output = (torch.empty(0) if outputs == 1
                   else tuple(torch.empty(0) for _ in range(outputs)))
-        graph.graphed = GraphedCall(graph, inputs, output)
+        held = tuple(arguments[k] for k in constants)
+        graph.graphed = GraphedCall(graph, inputs, output, held)
         return graph.graphed
 
     return capture

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from of3_megafold.runtime.tensor_cache import TensorCache
+from of3_megafold.runtime.tensor_cache import TensorCache, retaining
 
 
 def _counting(cache: TensorCache, tensors, extra=None):
@@ -80,3 +80,22 @@ def test_inference_tensors_are_never_cached():
     _counting(cache, (a,))
     assert _counting(cache, (a,))[1] == 1
     assert len(cache) == 0
+
+
+def test_retaining_keeps_what_every_cache_hands_out_while_open():
+    """Hits, misses and uncached values alike: a graph reads them all by address."""
+    first, second = TensorCache(max_entries=1), TensorCache()
+    a, b = torch.rand(2), torch.rand(3)
+    with torch.inference_mode():
+        c = torch.rand(4)
+    _counting(first, (a,))  # before: not retained
+    with retaining() as retained, retaining() as inner:
+        hit = first.get((a,), None, list)
+        miss = second.get((b,), None, list)
+        uncached = second.get((c,), None, list)
+        first.get((b,), None, list)  # evicts a's entry from the cache
+    assert inner and not retained  # the innermost collects
+    assert [id(v) for v in inner[:3]] == [id(hit), id(miss), id(uncached)]
+    assert len(inner) == 4
+    _counting(first, (a,))
+    assert len(inner) == 4  # closed: nothing more
