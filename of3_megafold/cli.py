@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from of3_megafold.errors import KitConfigError, KitError, user_message
+from of3_megafold.errors import KitConfigError, one_line_errors
 
 BENCHMARKS = {
     "attention": ("attention_core", "attention_module"),
@@ -51,15 +51,10 @@ def _default_bench_dir() -> Path:
     return benchmark_dir()
 
 
-@contextmanager
 def _kit_errors():
-    """Turn the kit's own errors into their one-line message and exit status 1,
-    also when a data-loader worker raised them."""
-    try:
-        yield
-    except KitError as err:
-        _end_progress_bars()
-        raise click.ClickException(user_message(err)) from err
+    """The kit's own errors as one line and exit status 1, progress bars ended
+    first (:func:`~of3_megafold.errors.one_line_errors`)."""
+    return one_line_errors(before=_end_progress_bars)
 
 
 def _end_progress_bars() -> None:

@@ -1,6 +1,8 @@
 """Exceptions the kit raises where a user can act on the message, and the helpers
 that word their messages."""
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
@@ -51,3 +53,18 @@ def unwritable_cause(path: Path, error: OSError) -> str:
         if candidate.is_file():
             return f"{candidate} is a regular file, not a directory"
     return f"cannot create or write a directory there ({error.strerror or error})"
+
+
+@contextmanager
+def one_line_errors(before: Callable[[], None] | None = None) -> Iterator[None]:
+    """Turn the kit's own errors into a command's one-line message and exit status 1
+    (``click.ClickException`` with :func:`user_message`), also when a data-loader
+    worker raised them; ``before`` runs first (e.g. to end progress bars)."""
+    try:
+        yield
+    except KitError as error:
+        import click
+
+        if before is not None:
+            before()
+        raise click.ClickException(user_message(error)) from error

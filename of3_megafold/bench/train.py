@@ -51,7 +51,6 @@ The summary table and the plot are :mod:`of3_megafold.bench.train_report`'s.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import random
@@ -78,7 +77,7 @@ from of3_megafold.bench.common import (
 )
 from of3_megafold.bench.train_report import PHASES, format_summary, plot_runs
 from of3_megafold.demo.train import LossRecorder, batch_sample
-from of3_megafold.errors import KitConfigError, KitError
+from of3_megafold.errors import KitConfigError, KitError, one_line_errors
 
 JSON_NAME = "train_run.json"
 PLOT_NAME = "train_run.png"
@@ -708,14 +707,6 @@ def run_train_bench(
 # -- the command ----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _kit_errors() -> Iterator[None]:
-    try:
-        yield
-    except KitError as error:
-        raise click.ClickException(str(error)) from error
-
-
 @click.command("train")
 @click.option(
     "--provider",
@@ -799,7 +790,7 @@ def train_command(
             "a CUDA GPU, and none is visible here; --quick is the smoke run for a CPU"
         )
     out_json = Path(out_dir) / JSON_NAME
-    with _kit_errors():
+    with one_line_errors():
         activate()
         if not summary_only:
             if quick:

@@ -3,7 +3,7 @@
 OF3's ``bond_loss`` forms every pairwise distance, ``[B, S, N_atom, N_atom, 3]``, to
 keep the few polymer-ligand bonds. Under OF3's ``train`` preset (diffusion loss in
 chunks of 4 samples under activation checkpointing) that chunk is the training
-step's memory peak at 768 tokens (docs/benchmarks.md, "where the per-GPU peak sits").
+step's memory peak at 768 tokens (docs/extensions/smooth_lddt.md).
 Here the bonded pairs are listed from the token-level bond mask first,
 then only their distances are formed: ``[B, S, P]`` for ``P`` bonded atom pairs.
 """

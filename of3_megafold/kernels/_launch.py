@@ -3,7 +3,7 @@
 Two layers of host work sit between a ``kernel[grid](...)`` call and the GPU, and on
 the H200 machine (Triton 3.6) they cost about 100 us per launch of EvoFlash's
 ~50-argument kernels: more than the kernels themselves at small shapes, where the
-host, not the GPU, sets the time (docs/benchmarks.md, "host overhead").
+host, not the GPU, sets the time (docs/extensions/evoflash_attention.md, "Host path").
 
 * Triton's ``Autotuner.run`` and ``Heuristics.run`` rebuild dicts of all arguments
   and a tuning key on every launch. :class:`TunedKernel` keeps the autotuner for the

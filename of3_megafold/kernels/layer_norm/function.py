@@ -46,8 +46,8 @@ def _blocks(c: int, elements: int = 4096) -> tuple[int, int]:
 # narrow ones, one warp per 2048-element step, 32 of them per SM. On the H200 at the
 # pair representation's [N^2, 128] bf16 that is within 2% of the fastest BLOCK_R x
 # warps x programs per SM, 2.2x faster than 4 warps x 4 programs per SM (0.14 against
-# 0.30 ms at N=768; tools/gpu_sweep_layer_norm.py; docs/benchmarks.md, "LayerNorm
-# launch shapes"). The partials cost 2 x programs x C fp32 (4.3 MB at C=128).
+# 0.30 ms at N=768; tools/gpu_sweep_layer_norm.py). The partials cost
+# 2 x programs x C fp32 (4.3 MB at C=128).
 FWD_WARPS = 4
 BWD_ELEMENTS = 2048
 BWD_PROGRAMS_PER_SM = 32
