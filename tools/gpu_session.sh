@@ -157,6 +157,10 @@ for spec in "$@"; do
         profile-module) run profile-module "${limit:-180}" python3 -m tools.gpu_profile_module \
             "$OUT/profile_module.txt" $extra ;;
         host) run host "${limit:-240}" python3 -m tools.gpu_profile_kernels "$OUT/host.txt" --host ;;
+        # where the kit's training step spends host time (cProfile; $extra: tokens)
+        # shellcheck disable=SC2086
+        host-step) run host-step "${limit:-300}" python3 -m tools.gpu_host_profile_step \
+            ${extra:-384} "$OUT" ;;
         # DeepSpeed's evoformer op, built ahead of the benchmarks that time it
         ds-build) run ds-build "${limit:-560}" python3 -c "
 import time; t = time.time()
