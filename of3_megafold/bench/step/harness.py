@@ -14,15 +14,17 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from of3_megafold.bench.common import GIB, count_kernel_launches, free_device_memory
 from of3_megafold.bench.step.providers import provider_model_config
+
+T = TypeVar("T")
 
 # Token-level features that `random_of3_features` leaves out of `ground_truth` but
 # OF3's permutation alignment reads there.
@@ -329,12 +331,18 @@ class TrainingStepHarness:
         ]
         return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
+    def measured(self, batch: dict, measure: Callable[[Callable[[], Any]], T]) -> T:
+        """``measure(run)``, where ``run()`` is one training step's forward, loss and
+        backward on ``batch``, prepared as :meth:`step` prepares it (seed, recycle
+        draw, no gradients left)."""
+        self._prepare()
+        return measure(lambda: self._forward_backward(batch))
+
     def count_launches(self, batch: dict) -> dict[str, float] | None:
         """Kernels, host launch calls and GPU busy time of one training step
         (:func:`~of3_megafold.bench.common.count_kernel_launches`; ``None`` off
         CUDA)."""
-        self._prepare()
-        return count_kernel_launches(lambda: self._forward_backward(batch))
+        return self.measured(batch, count_kernel_launches)
 
     def close(self) -> None:
         """Drop the model so the next provider starts from an empty device."""
