@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -61,6 +62,8 @@ from of3_megafold.runtime.cuda_graphs import GraphedCall
 
 NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
+
+logger = logging.getLogger(__name__)
 
 _ACTIVE: contextvars.ContextVar[_RolloutGraphs | None] = contextvars.ContextVar(
     "of3_megafold_rollout_graphs", default=None
@@ -106,20 +109,37 @@ def capture(
     )
 
 
-def whole_module_graphable(arguments: dict[str, Any]) -> bool:
-    """Whether a diffusion-module call with ``arguments`` runs without the host:
-    CUDA tensors, sync-free indexing on, a batch made outside inference mode and
-    without cyclic chains."""
+def why_not_whole_module(arguments: dict[str, Any]) -> str | None:
+    """Why a diffusion-module call with ``arguments`` would stop the host, or
+    ``None`` when it runs without it: CUDA tensors, sync-free indexing on, a batch
+    made outside inference mode and without cyclic chains."""
     batch = arguments["batch"]
     cyclic = batch.get("cyclic_mask")
-    return (
-        graphable(arguments["xl_noisy"])
-        and sync_free_indexing.enabled()
-        and tensor_cache.cacheable(
-            [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    if not graphable(arguments["xl_noisy"]):
+        return "its tensors are not on a CUDA device"
+    if not sync_free_indexing.enabled():
+        return f"{sync_free_indexing.FLAG} is off"
+    if not tensor_cache.cacheable(
+        [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    ):
+        return "the batch was made under torch.inference_mode"
+    if cyclic is not None and sync_free_indexing.any_cyclic(cyclic):
+        return "a chain is cyclic"
+    return None
+
+
+_SAID: set[str] = set()
+
+
+def _say_scope_once(reason: str) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        logger.info(
+            "%s: graphing the rollout's token transformer only, not the whole "
+            "diffusion module: %s",
+            NAME,
+            reason,
         )
-        and (cyclic is None or not sync_free_indexing.any_cyclic(cyclic))
-    )
 
 
 class _RolloutGraphs:
@@ -203,7 +223,10 @@ def _patch_module_forward(original):
             return original(self, *args, **kwargs)
         arguments = _bound(signature, self, *args, **kwargs)
         if session.whole is None:
-            session.whole = whole_module_graphable(arguments)
+            reason = why_not_whole_module(arguments)
+            session.whole = reason is None
+            if reason is not None and graphable(arguments["xl_noisy"]):
+                _say_scope_once(reason)
         if not session.whole:
             return original(self, *args, **kwargs)
         return session.call(original, self, arguments, MODULE_CONSTANTS)

@@ -68,14 +68,28 @@ def _session_log(scope: str) -> list[str]:
     return [call, call, "capture", "replay"] + [call, "replay"] * 4
 
 
-def test_session_captures_the_second_call_and_replays_the_rest(kit, recorded_graphs):
+def test_session_captures_the_second_call_and_replays_the_rest(
+    kit, recorded_graphs, caplog, monkeypatch
+):
+    from of3_megafold.extensions import rollout_graphs
+
+    monkeypatch.setattr(rollout_graphs, "_SAID", set())
     stock = _step(_harness("cpu", on=False))
     assert recorded_graphs == []  # key off: never reached
-    kit_ = _step(_harness("cpu", on=True))
+    with caplog.at_level("INFO", logger=rollout_graphs.__name__):
+        kit_ = _step(_harness("cpu", on=True))
+        _step(_harness("cpu", on=True))
     # without sync-free indexing the atom encoder synchronises: the transformer only
-    assert recorded_graphs == _session_log("DiffusionTransformer")
+    assert recorded_graphs == _session_log("DiffusionTransformer") * 2
     assert kit_.loss == stock.loss
     assert kit_.grad_norm == stock.grad_norm
+    # ... and the user is told why, once per process
+    said = [r.getMessage() for r in caplog.records if "token transformer only" in
+            r.getMessage()]
+    assert said == [
+        f"{NAME}: graphing the rollout's token transformer only, not the whole "
+        f"diffusion module: {SYNC_FREE} is off"
+    ]
 
 
 def test_with_sync_free_indexing_the_whole_module_is_graphed(kit, recorded_graphs):
@@ -134,18 +148,23 @@ def test_whole_module_scope_needs_a_batch_that_never_stops_the_host(kit):
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(rollout_graphs, "graphable", lambda a: True)
-            assert rollout_graphs.whole_module_graphable(arguments(linear))
-            assert rollout_graphs.whole_module_graphable(
-                arguments({"token_mask": linear["token_mask"]})
+            why = rollout_graphs.why_not_whole_module
+            assert why(arguments(linear)) is None
+            assert why(arguments({"token_mask": linear["token_mask"]})) is None
+            assert why(arguments(cyclic)) == "a chain is cyclic"
+            assert why(arguments(inference)) == (
+                "the batch was made under torch.inference_mode"
             )
-            assert not rollout_graphs.whole_module_graphable(arguments(cyclic))
-            assert not rollout_graphs.whole_module_graphable(arguments(inference))
-        assert not rollout_graphs.whole_module_graphable(arguments(linear))  # CPU
+        assert rollout_graphs.why_not_whole_module(arguments(linear)) == (
+            "its tensors are not on a CUDA device"
+        )
     finally:
         registry.FORCED.variants.pop(SYNC_FREE_NAME, None)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rollout_graphs, "graphable", lambda a: True)
-        assert not rollout_graphs.whole_module_graphable(arguments(linear))  # key off
+        assert rollout_graphs.why_not_whole_module(arguments(linear)) == (
+            f"{SYNC_FREE} is off"
+        )
 
 
 def test_a_denoiser_without_a_token_transformer_runs_as_of3s(kit):
