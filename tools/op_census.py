@@ -6,10 +6,10 @@
 Runs a warm-up step of the step harness (:mod:`of3_megafold.bench.step`) on the CPU,
 then counts every aten op of one more step that computes something (views and
 allocations left out). Each such op is one kernel launch on a GPU, so the census
-stands in for a GPU step's launches: the full model's stock step counts about
-137,000 ops at 32 tokens and 3 recycles, where OF3 with its Triton kernels runs
-142,814 kernels at 384 tokens on a GPU (autocast's casts included). The count does
-not grow with the crop.
+stands in for a GPU step's launches: the full model's stock step counts 137,149
+ops at 32 tokens and 3 recycles (137,140 at 48: the ops hardly depend on the crop),
+where OF3 with its Triton kernels runs 142,814 kernels at 384 tokens on a GPU
+(autocast's casts included).
 
 Ops are grouped by phase and by module:
 
