@@ -48,6 +48,7 @@ safe.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 from typing import Any
@@ -64,6 +65,9 @@ NAME = "rollout_graphs"
 FLAG = "use_rollout_cuda_graphs"
 
 logger = logging.getLogger(__name__)
+
+NOT_ON_CUDA = "its tensors are not on a CUDA device"
+"""Why a CPU call graphs nothing (:func:`why_not_whole_module`)."""
 
 _ACTIVE: contextvars.ContextVar[_RolloutGraphs | None] = contextvars.ContextVar(
     "of3_megafold_rollout_graphs", default=None
@@ -116,7 +120,7 @@ def why_not_whole_module(arguments: dict[str, Any]) -> str | None:
     batch = arguments["batch"]
     cyclic = batch.get("cyclic_mask")
     if not graphable(arguments["xl_noisy"]):
-        return "its tensors are not on a CUDA device"
+        return NOT_ON_CUDA
     if not sync_free_indexing.enabled():
         return f"{sync_free_indexing.FLAG} is off"
     if not tensor_cache.cacheable(
@@ -128,18 +132,15 @@ def why_not_whole_module(arguments: dict[str, Any]) -> str | None:
     return None
 
 
-_SAID: set[str] = set()
-
-
-def _say_scope_once(reason: str) -> None:
-    if reason not in _SAID:
-        _SAID.add(reason)
-        logger.info(
-            "%s: graphing the rollout's token transformer only, not the whole "
-            "diffusion module: %s",
-            NAME,
-            reason,
-        )
+@functools.cache
+def _say_scope(reason: str) -> None:
+    """Say once per reason why rollouts graph the token transformer only."""
+    logger.info(
+        "%s: graphing the rollout's token transformer only, not the whole "
+        "diffusion module: %s",
+        NAME,
+        reason,
+    )
 
 
 class _RolloutGraphs:
@@ -225,8 +226,9 @@ def _patch_module_forward(original):
         if session.whole is None:
             reason = why_not_whole_module(arguments)
             session.whole = reason is None
-            if reason is not None and graphable(arguments["xl_noisy"]):
-                _say_scope_once(reason)
+            # CPU tensors: the token transformer's device fallback says so
+            if reason not in (None, NOT_ON_CUDA):
+                _say_scope(reason)
         if not session.whole:
             return original(self, *args, **kwargs)
         return session.call(original, self, arguments, MODULE_CONSTANTS)

@@ -69,11 +69,11 @@ def _session_log(scope: str) -> list[str]:
 
 
 def test_session_captures_the_second_call_and_replays_the_rest(
-    kit, recorded_graphs, caplog, monkeypatch
+    kit, recorded_graphs, caplog
 ):
     from of3_megafold.extensions import rollout_graphs
 
-    monkeypatch.setattr(rollout_graphs, "_SAID", set())
+    rollout_graphs._say_scope.cache_clear()
     stock = _step(_harness("cpu", on=False))
     assert recorded_graphs == []  # key off: never reached
     with caplog.at_level("INFO", logger=rollout_graphs.__name__):
@@ -157,7 +157,7 @@ def test_whole_module_scope_needs_a_batch_that_never_stops_the_host(kit):
             )
         assert rollout_graphs.why_not_whole_module(arguments(linear)) == (
             "its tensors are not on a CUDA device"
-        )
+        ) == rollout_graphs.NOT_ON_CUDA
     finally:
         registry.FORCED.variants.pop(SYNC_FREE_NAME, None)
     with pytest.MonkeyPatch.context() as patch:
