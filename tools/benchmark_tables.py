@@ -179,7 +179,7 @@ TABLES: tuple[Table, ...] = (
     Table(
         "step",
         "step",
-        ("n_token",),
+        ("gpu", "n_token"),
         (
             "kit",
             "kit-without-checkpoint_offload",
@@ -190,7 +190,7 @@ TABLES: tuple[Table, ...] = (
         include=_step_of_record,
         cell=step_cell,
         ratio=("stock-triton", "kit"),
-        labels=("tokens",),
+        labels=("GPU", "tokens"),
     ),
     Table(
         "max_crop",
