@@ -1,12 +1,13 @@
 """A CUDA-graph key on the full model: training steps with it on and off, one GPU.
 
     python -m tools.gpu_check_cuda_graphs OUT.json [--key rollout|trunk]
-        [--tokens 384,768] [--repeats 2] [--full-rollout STEPS]
+        [--tokens 384,768] [--repeats 2] [--full-rollout STEPS] [--provider kit]
 
 Builds the full OF3 model once with every single-process kit extension on (the step
-harness's ``kit`` provider) and, per token count, runs one warm-up step with the
-key (``rollout``: ``use_rollout_cuda_graphs``; ``trunk``: ``use_trunk_cuda_graphs``)
-off and one with it on, then ``--repeats`` rounds of one step each, interleaved
+harness's ``kit`` provider; ``--provider kit-without-<extension>`` leaves one out)
+and, per token count, runs one warm-up step with the key (``rollout``:
+``use_rollout_cuda_graphs``; ``trunk``: ``use_trunk_cuda_graphs``) off and two with
+it on, then ``--repeats`` rounds of one step each, interleaved
 (toggling the key on the live config, which the extensions read at call time).
 Prints and writes per variant the step times, the graphed part's own time between
 two synchronisations inside the step (OF3's ``SampleDiffusion.forward`` for the
@@ -48,6 +49,9 @@ def main() -> int:
                         help="also time a rollout of STEPS steps and 5 samples (as "
                         "validation and inference run it) on the step's trunk "
                         "outputs, key off and on, twice each (--key rollout)")
+    parser.add_argument("--provider", default="kit",
+                        help="the step harness's provider (kit-without-<extension>: "
+                        "the kit less one extension)")
     args = parser.parse_args()
 
     import importlib
@@ -64,14 +68,16 @@ def main() -> int:
     setattr(owner, method, timer)
 
     started = time.perf_counter()
-    harness = TrainingStepHarness("full", "kit", "cuda")
+    harness = TrainingStepHarness("full", args.provider, "cuda")
     print(f"model built in {time.perf_counter() - started:.0f} s", flush=True)
     rows = []
     for n_token in (int(t) for t in args.tokens.split(",")):
         batch = random_training_batch(n_token, 1024, 4, "cuda")
         results = {False: [], True: []}
         parts = {False: [], True: []}
-        for on in (False, True):  # warm-up: compiles, tunes (and, on, captures)
+        # warm-up: compiles, tunes; on, the trunk's cycles without autograd are
+        # captured in the first step, its cycle with autograd in the second
+        for on in (False, True, True):
             _set_key(harness, flag, on)
             took = harness.step(batch).ms / 1e3
             print(f"{n_token} tokens, graphs {on}: warm-up {took:.1f} s", flush=True)

@@ -1,5 +1,5 @@
-"""Trunk graphs: the trunk's cycles without autograd replay OF3's MSA module and
-pairformer stack from CUDA graphs.
+"""Trunk graphs: the trunk's cycles replay OF3's MSA module and pairformer stack
+from CUDA graphs, the last cycle's backward included.
 
 Keys: ``model_update.custom.settings.memory.{train,eval}.use_trunk_cuda_graphs``
 (default false).
@@ -24,19 +24,30 @@ draws what OF3's call would. Each stack keeps the graphs of at most
 :data:`MAX_GRAPHS` keys (the least recently used is dropped with its memory pool)
 and remembers at most :data:`MAX_SEEN` keys it has not captured.
 
-Runs as OF3's: calls with autograd (the last cycle, and its recomputation in the
-backward), chunked calls (``chunk_size`` set: OF3's inference, whose chunk tuner
-runs trial blocks), stacks that empty the allocator's cache between blocks, and
-tensors off CUDA. A capture that fails raises :class:`TrunkCaptureError` naming the
-key (after a failed capture the process's CUDA generator is left in capture mode,
-so running on would not be safe). Sequence parallelism's sharded stack exchanges
-tensors between processes inside the stack: the two are refused together in
-training.
+A call with autograd (the last cycle; the confidence heads' pairformer) goes the
+same way when its blocks are checkpointed as OF3's training preset does: the first
+call runs as OF3's and records where each checkpointed block draws random numbers,
+the second is captured with its backward (the blocks' recomputation included) into
+two graphs (:mod:`of3_megafold.runtime.autograd_graphs`), and later calls replay
+the forward at once and the backward when autograd reaches it. The checkpoints'
+inputs wait in the graphs' pool between the two, as they wait on the GPU in OF3's
+step; a second call before the first one's backward runs as OF3's.
+
+Runs as OF3's: chunked calls (``chunk_size`` set: OF3's inference, whose chunk tuner
+runs trial blocks), stacks that empty the allocator's cache between blocks, tensors
+off CUDA, and calls with autograd whose blocks are not checkpointed, are
+checkpointed by DeepSpeed or reentrantly, or offload their checkpoints
+(``checkpoint_offload``, the key for long crops, wins). A capture that fails raises
+:class:`TrunkCaptureError` naming the key (after a failed capture the process's CUDA
+generator is left in capture mode, so running on would not be safe). Sequence
+parallelism's sharded stack exchanges tensors between processes inside the stack:
+the two are refused together in training.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 from typing import Any
 
@@ -44,9 +55,9 @@ import torch
 
 from of3_megafold import registry
 from of3_megafold.errors import KitConfigError
-from of3_megafold.extensions import sequence_parallel
+from of3_megafold.extensions import checkpoint_offload, sequence_parallel
 from of3_megafold.kernels.backend import cuda_device
-from of3_megafold.runtime import cuda_graphs
+from of3_megafold.runtime import autograd_graphs, cuda_graphs
 from of3_megafold.runtime.cuda_graphs import GraphedCall
 
 NAME = "trunk_graphs"
@@ -89,6 +100,69 @@ def capture(original, module: Any, arguments: dict[str, Any]) -> GraphedCall:
     )
 
 
+@contextlib.contextmanager
+def checkpoints_through(checkpoint):
+    """OF3's ``checkpoint_blocks`` checkpoints through ``checkpoint`` (same
+    arguments as ``torch.utils.checkpoint.checkpoint``) within the block."""
+    from openfold3.core.utils import checkpointing
+
+    original = checkpointing.get_checkpoint_fn
+    checkpointing.get_checkpoint_fn = lambda use_reentrant=None: checkpoint
+    try:
+        yield
+    finally:
+        checkpointing.get_checkpoint_fn = original
+
+
+def capture_with_autograd(
+    original,
+    module: Any,
+    arguments: dict[str, Any],
+    differentiable: tuple[str, ...],
+    parameters: tuple[torch.Tensor, ...],
+    draws: autograd_graphs.RandomDraws,
+) -> autograd_graphs.AutogradGraphs:
+    """``original(module, **arguments)`` and its backward captured into CUDA graphs
+    (:func:`of3_megafold.runtime.autograd_graphs.capture`).
+
+    Raises:
+        TrunkCaptureError: capture failed (with the CUDA error as its cause)."""
+    try:
+        return autograd_graphs.capture(
+            lambda **kw: original(module, **kw),
+            arguments,
+            differentiable=differentiable,
+            parameters=parameters,
+            draws=draws,
+            checkpoint_hook=checkpoints_through,
+        )
+    except RuntimeError as cause:
+        raise TrunkCaptureError(
+            f"capturing {NAME}: OF3's {type(module).__name__} with autograd into "
+            f"CUDA graphs failed ({str(cause).splitlines()[0]}); an op in it needs "
+            "the host. The process's CUDA state is not reliable after a failed "
+            f"capture: set model_update.custom.settings.memory.train.{FLAG}: false"
+        ) from cause
+
+
+def autograd_graphable(module: Any) -> bool:
+    """Whether a stack's call with autograd can be graphed: its blocks are
+    checkpointed by ``torch.utils.checkpoint`` (non-reentrant, not DeepSpeed's), not
+    offloaded (``checkpoint_offload`` moves their inputs to the host), and no outer
+    saved-tensor hook decides where its saved tensors go."""
+    from openfold3.core.utils.checkpointing import is_deepspeed_configured
+
+    return (
+        getattr(module, "blocks_per_ckpt", None) is not None
+        and getattr(module, "use_reentrant", None) is False
+        and not is_deepspeed_configured()
+        and not registry.module_enabled(
+            module, checkpoint_offload.NAME, checkpoint_offload.FLAG
+        )
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    )
+
+
 class StackGraphs:
     """One stack's graphs, by key, least recently used first.
 
@@ -96,10 +170,9 @@ class StackGraphs:
     read the original's parameters and buffers by address."""
 
     def __init__(self) -> None:
-        self.graphs: collections.OrderedDict[tuple, GraphedCall] = (
-            collections.OrderedDict()
-        )
-        self.seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self.graphs: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        # key -> None, or for a call with autograd the draws of its first call
+        self.seen: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
     def __deepcopy__(self, memo: dict) -> StackGraphs:
         return StackGraphs()
@@ -108,6 +181,7 @@ class StackGraphs:
         return StackGraphs, ()
 
     def call(self, original, module: Any, arguments: dict[str, Any]):
+        """A call without autograd: OF3's, captured, or replayed."""
         key = (
             cuda_graphs.call_signature(arguments),
             module.training,
@@ -118,15 +192,59 @@ class StackGraphs:
             self.graphs.move_to_end(key)
             return graphed.replay(arguments)
         if key not in self.seen:  # OF3's call: compiles, tunes
-            self.seen[key] = None
-            while len(self.seen) > MAX_SEEN:
-                self.seen.popitem(last=False)
+            self._remember(key, None)
             return original(module, **arguments)
         del self.seen[key]
+        graphed = self._keep(key, capture(original, module, arguments))
+        return graphed.replay(arguments)  # capture computed nothing
+
+    def call_with_autograd(self, original, module: Any, arguments: dict[str, Any]):
+        """A call with autograd (the trunk's last cycle): OF3's (recording where
+        its checkpoints draw random numbers), captured with its backward, or
+        replayed. A replay whose forward waits for its backward runs as OF3's."""
+        parameters = tuple(p for p in module.parameters() if p.requires_grad)
+        differentiable = tuple(
+            name
+            for name, value in sorted(arguments.items())
+            if isinstance(value, torch.Tensor) and value.requires_grad
+        )
+        key = (
+            cuda_graphs.call_signature(arguments),
+            "autograd",
+            differentiable,
+            module.training,
+            tuple((p.data_ptr(), p.requires_grad) for p in module.parameters()),
+        )
+        graphed = self.graphs.get(key)
+        if graphed is not None:
+            if graphed.busy():
+                return original(module, **arguments)
+            self.graphs.move_to_end(key)
+            return graphed.replay(arguments)
+        if key not in self.seen:
+            with autograd_graphs.recording_draws(checkpoints_through) as draws:
+                out = original(module, **arguments)
+            self._remember(key, draws)
+            return out
+        draws = self.seen.pop(key)
+        graphed = self._keep(
+            key,
+            capture_with_autograd(
+                original, module, arguments, differentiable, parameters, draws
+            ),
+        )
+        return graphed.replay(arguments)
+
+    def _remember(self, key: tuple, value: Any) -> None:
+        self.seen[key] = value
+        while len(self.seen) > MAX_SEEN:
+            self.seen.popitem(last=False)
+
+    def _keep(self, key: tuple, graphed: Any) -> Any:
         while len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)
-        graphed = self.graphs[key] = capture(original, module, arguments)
-        return graphed.replay(arguments)  # capture computed nothing
+        self.graphs[key] = graphed
+        return graphed
 
 
 def graphable(arguments: dict[str, Any]) -> bool:
@@ -144,11 +262,12 @@ def _patch_stack_forward(original):
     signature = inspect.signature(original)
 
     def forward(self, *args, **kwargs):
-        if (
-            torch.is_grad_enabled()
-            or getattr(self, "clear_cache_between_blocks", False)
-            or not registry.module_enabled(self, NAME, FLAG)
+        if getattr(self, "clear_cache_between_blocks", False) or not (
+            registry.module_enabled(self, NAME, FLAG)
         ):
+            return original(self, *args, **kwargs)
+        with_autograd = torch.is_grad_enabled()
+        if with_autograd and not autograd_graphable(self):
             return original(self, *args, **kwargs)
         call = signature.bind(self, *args, **kwargs)
         call.apply_defaults()
@@ -158,6 +277,8 @@ def _patch_stack_forward(original):
         graphs = self.__dict__.get(_CACHE_ATTR)
         if graphs is None:
             graphs = self.__dict__[_CACHE_ATTR] = StackGraphs()
+        if with_autograd:
+            return graphs.call_with_autograd(original, self, arguments)
         return graphs.call(original, self, arguments)
 
     return forward
@@ -180,10 +301,10 @@ EXTENSION = registry.register(
         NAME,
         FLAG,
         help="replay the trunk's MSA module and pairformer stack from CUDA graphs "
-        "in the cycles without autograd (host time; same kernels, same results). "
-        "Needs CUDA.",
+        "in every cycle, the last one's backward included (host time; same kernels, "
+        "same results). Needs CUDA.",
         summary="The trunk's MSA module and pairformer stack replayed from CUDA "
-        "graphs in the cycles without autograd (host time of every recycle)",
+        "graphs in every cycle, forward and backward (host time of the trunk)",
         device_check=_cuda_graphs,
         validate=_validate,
         patches=(

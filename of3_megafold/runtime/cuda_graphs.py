@@ -96,7 +96,7 @@ def capture(
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(stream), _autocast_cache(autocast_cache):
+        with torch.cuda.stream(stream), autocast_cast_cache(autocast_cache):
             # thread_local: other threads (data loaders) may keep using CUDA
             graph.capture_begin(capture_error_mode="thread_local")
             try:
@@ -116,7 +116,7 @@ def capture(
     return GraphedCall(graph, inputs, output, held)
 
 
-def _autocast_cache(enabled: bool):
+def autocast_cast_cache(enabled: bool):
     """Autocast as it is, with its cast cache off unless ``enabled``."""
     if enabled or not torch.is_autocast_enabled("cuda"):
         return contextlib.nullcontext()

@@ -10,6 +10,8 @@ steps with the key on and off.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -37,33 +39,74 @@ def _batch(harness, n_token: int = 24):
     return random_training_batch(n_token, 8, 2, harness.device)
 
 
+class _FakeAutogradGraphs:
+    """Stands in for a call captured with its backward: a replay runs the call
+    with autograd (what the graphs compute) and logs "replay"."""
+
+    def __init__(self, original, module, log: list[str]):
+        self.original, self.module, self.log = original, module, log
+        self.waiting = False
+
+    def busy(self) -> bool:
+        return self.waiting
+
+    def replay(self, arguments):
+        self.log.append("replay")
+        return self.original(self.module, **arguments)
+
+
 @pytest.fixture
 def recorded_graphs(monkeypatch):
     """Graph every CPU stack call through a fake graph; the value lists what
-    happened, call by call, as ``(stack class, event)``."""
+    happened, call by call, as ``(stack class, stack id, autograd, events)``."""
     from of3_megafold.extensions import trunk_graphs
+    from of3_megafold.runtime import autograd_graphs
 
     log: list = []
     events: list[str] = []
-    original_call = trunk_graphs.StackGraphs.call
     captures = {"PairFormerStack": fake_capture(events, outputs=2),
                 "MSAModuleStack": fake_capture(events, outputs=1)}
 
-    def call(self, original, module, arguments):
-        events.clear()
-        out = original_call(self, original, module, arguments)
-        log.append((type(module).__name__, tuple(events) or ("call",)))
-        return out
+    def logged(method, autograd):
+        def call(self, original, module, arguments):
+            events.clear()
+            out = method(self, original, module, arguments)
+            log.append((type(module).__name__, id(module), autograd,
+                        tuple(events) or ("call",)))
+            return out
+        return call
 
     def capture(original, module, arguments):
         return captures[type(module).__name__](original, module, arguments)
+
+    def capture_with_autograd(original, module, arguments, differentiable,
+                              parameters, draws):
+        assert isinstance(draws, autograd_graphs.RandomDraws)
+        events.append("capture")
+        return _FakeAutogradGraphs(original, module, events)
+
+    @contextlib.contextmanager
+    def recording_draws(checkpoint_hook):
+        yield autograd_graphs.RandomDraws()
 
     monkeypatch.setattr(registry.get(NAME), "device_check", lambda: (True, "test"))
     monkeypatch.setattr(trunk_graphs, "graphable",
                         lambda arguments: arguments.get("chunk_size") is None)
     monkeypatch.setattr(trunk_graphs, "capture", capture)
-    monkeypatch.setattr(trunk_graphs.StackGraphs, "call", call)
+    monkeypatch.setattr(trunk_graphs, "capture_with_autograd", capture_with_autograd)
+    monkeypatch.setattr(autograd_graphs, "recording_draws", recording_draws)
+    for method, autograd in (("call", False), ("call_with_autograd", True)):
+        monkeypatch.setattr(trunk_graphs.StackGraphs, method,
+                            logged(getattr(trunk_graphs.StackGraphs, method), autograd))
     return log
+
+
+def _per_stack(log, autograd: bool) -> dict[tuple[str, int], list]:
+    stacks: dict = {}
+    for name, ident, with_autograd, events in log:
+        if with_autograd == autograd:
+            stacks.setdefault((name, ident), []).append(events)
+    return stacks
 
 
 def test_steps_capture_once_then_replay_every_cycle(kit, recorded_graphs):
@@ -73,18 +116,22 @@ def test_steps_capture_once_then_replay_every_cycle(kit, recorded_graphs):
     assert recorded_graphs == []  # key off: never reached
     harness = _harness("cpu", on=True)
     steps = [harness.step(batch) for _ in range(2)]
-    per_stack = {
-        stack: [event for name, event in recorded_graphs if name == stack]
-        for stack in ("MSAModuleStack", "PairFormerStack")
-    }
-    # 3 recycles: 3 cycles without autograd per step; the last cycle (autograd)
-    # and the backward never reach the graphs. Step 1: OF3's call, the capture
-    # (then its replay), a replay; step 2: replays only (the graph outlives it).
-    for stack, events in per_stack.items():
+    # 3 recycles: 3 cycles without autograd per step. Step 1: OF3's call, the
+    # capture (then its replay), a replay; step 2: replays only (the graph
+    # outlives it).
+    without = _per_stack(recorded_graphs, autograd=False)
+    assert sorted(name for name, _ in without) == ["MSAModuleStack", "PairFormerStack"]
+    for stack, events in without.items():
         assert events == [
             ("call",), ("capture", "replay"), ("replay",),
             ("replay",), ("replay",), ("replay",),
         ], stack
+    # The last cycle, with autograd, once per step (and the confidence heads'
+    # pairformer): OF3's call in step 1, captured with its backward in step 2.
+    with_autograd = _per_stack(recorded_graphs, autograd=True)
+    assert {name for name, _ in with_autograd} == {"MSAModuleStack", "PairFormerStack"}
+    for stack, events in with_autograd.items():
+        assert events == [("call",), ("capture", "replay")], stack
     for kit_, stock_ in zip(steps, stock_steps, strict=True):
         assert kit_.loss == stock_.loss
         assert kit_.grad_norm == stock_.grad_norm
@@ -177,7 +224,55 @@ def test_a_copied_stack_starts_without_graphs(monkeypatch):
         assert fresh is not graphs and not fresh.graphs and not fresh.seen
 
 
-def test_calls_with_autograd_chunks_or_cpu_tensors_run_as_of3s(kit, monkeypatch):
+def test_a_forward_waiting_for_its_backward_and_frozen_weights_are_not_replayed(
+    monkeypatch,
+):
+    """With autograd: OF3's call, then the capture and its replay, then replays;
+    while a replay's backward is pending its graph is busy and the call runs as
+    OF3's; freezing a weight makes a new key."""
+    from of3_megafold.extensions import trunk_graphs
+    from of3_megafold.runtime import autograd_graphs
+
+    log: list[str] = []
+    captured = []
+
+    def capture_with_autograd(original, module, arguments, differentiable,
+                              parameters, draws):
+        log.append("capture")
+        assert differentiable == ("z",) and parameters == (module.w,)
+        captured.append(_FakeAutogradGraphs(original, module, log))
+        return captured[-1]
+
+    @contextlib.contextmanager
+    def recording_draws(checkpoint_hook):
+        log.append("record")
+        yield autograd_graphs.RandomDraws()
+
+    monkeypatch.setattr(trunk_graphs, "capture_with_autograd", capture_with_autograd)
+    monkeypatch.setattr(autograd_graphs, "recording_draws", recording_draws)
+    stack, graphs = _Stack(), trunk_graphs.StackGraphs()
+    z = torch.randn(2, 3, requires_grad=True)
+
+    def call():
+        log.clear()
+        out = graphs.call_with_autograd(
+            type(stack).forward, stack, {"z": z, "chunk_size": None})
+        torch.testing.assert_close(out, z @ stack.w)
+        assert out.requires_grad
+        return list(log)
+
+    assert call() == ["record"]
+    assert call() == ["capture", "replay"]
+    assert call() == ["replay"]
+    captured[0].waiting = True
+    assert call() == []
+    captured[0].waiting = False
+    assert call() == ["replay"]
+    stack.w.requires_grad_(False)
+    assert call() == ["record"]
+
+
+def test_chunks_cpu_tensors_and_offloaded_checkpoints_run_as_of3s(kit, monkeypatch):
     from openfold3.core.model.latent.pairformer import PairFormerStack
 
     from of3_megafold.extensions import trunk_graphs
@@ -189,14 +284,30 @@ def test_calls_with_autograd_chunks_or_cpu_tensors_run_as_of3s(kit, monkeypatch)
         assert not trunk_graphs.graphable({"z": cuda, "chunk_size": 4})
 
     reached = []
-    monkeypatch.setattr(trunk_graphs.StackGraphs, "call",
-                        lambda *a: reached.append(a))
+    for method in ("call", "call_with_autograd"):
+        monkeypatch.setattr(trunk_graphs.StackGraphs, method,
+                            lambda *a: reached.append(a))
     monkeypatch.setattr(trunk_graphs, "graphable", lambda arguments: True)
-    monkeypatch.setattr(registry.get(NAME), "device_check", lambda: (True, "test"))
-    harness = _harness("cpu", on=True, num_recycles=0)  # one cycle, with autograd
+    for name in (NAME, "checkpoint_offload"):
+        monkeypatch.setattr(registry.get(name), "device_check", lambda: (True, "test"))
+    # one cycle, with autograd, whose checkpoints offload: offloading wins
+    update = {"settings": {"memory": {"train": {
+        FLAG: True, "use_checkpoint_offload": True}}}}
+    from of3_megafold.bench.step import TrainingStepHarness
+
+    harness = TrainingStepHarness("tiny", "stock", "cpu", num_recycles=0,
+                                  update=update)
     harness.step(_batch(harness))
     assert reached == []
     stack = next(m for m in harness.model.modules() if isinstance(m, PairFormerStack))
+    assert trunk_graphs.autograd_graphable(stack) is False  # offloaded
+    harness.model.settings.memory.train["use_checkpoint_offload"] = False
+    assert trunk_graphs.autograd_graphable(stack)
+    for attribute, value in (("use_reentrant", True), ("blocks_per_ckpt", None)):
+        kept = getattr(stack, attribute)
+        setattr(stack, attribute, value)
+        assert not trunk_graphs.autograd_graphable(stack), attribute
+        setattr(stack, attribute, kept)
     stack.clear_cache_between_blocks = True
     with torch.no_grad():
         s, z = torch.randn(1, 6, 32), torch.randn(1, 6, 6, 16)
