@@ -122,11 +122,50 @@ class CheckpointRandomness:
 
 
 @dataclass
+class PackedGradients:
+    """Gradients the backward graph packs into one flat buffer per dtype, so that a
+    replay hands them out in one copy per dtype rather than one per tensor (a
+    stack's parameters are some thousand tensors)."""
+
+    buffers: dict[torch.dtype, torch.Tensor]
+    layout: tuple[tuple[torch.dtype, int, torch.Size] | None, ...]
+    """Per gradient: its buffer's dtype, its offset there and its shape; ``None``
+    where the gradient is unused."""
+
+    @classmethod
+    def pack(cls, grads: Sequence[torch.Tensor | None]) -> PackedGradients:
+        """Flat buffers holding ``grads`` (in a capture: kernels of the graph)."""
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        layout = []
+        for grad in grads:
+            if grad is None:
+                layout.append(None)
+                continue
+            layout.append((grad.dtype, sizes.get(grad.dtype, 0), grad.shape))
+            groups.setdefault(grad.dtype, []).append(grad.reshape(-1))
+            sizes[grad.dtype] = sizes.get(grad.dtype, 0) + grad.numel()
+        buffers = {dtype: torch.cat(flat) for dtype, flat in groups.items()}
+        return cls(buffers, tuple(layout))
+
+    def unpack(self) -> tuple[torch.Tensor | None, ...]:
+        """Copies of the gradients, as views of one copy of each buffer (the next
+        replay overwrites the buffers)."""
+        copies = {dtype: buffer.clone() for dtype, buffer in self.buffers.items()}
+        return tuple(
+            None
+            if entry is None
+            else copies[entry[0]][entry[1] : entry[1] + entry[2].numel()].view(entry[2])
+            for entry in self.layout
+        )
+
+
+@dataclass
 class AutogradGraphs:
     """One captured call with autograd: its forward and backward graphs, static
     inputs (by argument name), outputs, the gradients the backward writes (for the
-    differentiable inputs, then the parameters; ``None`` where one is unused) and
-    the randomness of its checkpoints."""
+    differentiable inputs, then the parameters, packed) and the randomness of its
+    checkpoints."""
 
     forward_graph: Any  # torch.cuda.CUDAGraph
     backward_graph: Any
@@ -135,7 +174,7 @@ class AutogradGraphs:
     parameters: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
     grad_outputs: tuple[torch.Tensor | None, ...]
-    grads: tuple[torch.Tensor | None, ...]
+    grads: PackedGradients
     randomness: CheckpointRandomness
     single: bool = False  # the call returns one tensor, not a tuple
     _pending: Any = None  # weakref to the autograd node of an unfinished replay
@@ -186,8 +225,7 @@ class _Replay(torch.autograd.Function):
                 static.copy_(grad)
         graphs.backward_graph.replay()
         graphs._pending = None
-        grads = tuple(None if g is None else g.clone() for g in graphs.grads)
-        return (None, *grads)
+        return (None, *graphs.grads.unpack())
 
 
 def capture(
@@ -252,11 +290,13 @@ def capture(
                 pool=forward_graph.pool(), capture_error_mode="thread_local"
             )
             try:
-                grads = torch.autograd.grad(
-                    [o for o in outputs if o.requires_grad],
-                    wanted,
-                    grad_outputs=[g for g in grad_outputs if g is not None],
-                    allow_unused=True,
+                grads = PackedGradients.pack(
+                    torch.autograd.grad(
+                        [o for o in outputs if o.requires_grad],
+                        wanted,
+                        grad_outputs=[g for g in grad_outputs if g is not None],
+                        allow_unused=True,
+                    )
                 )
             finally:
                 backward_graph.capture_end()
@@ -271,7 +311,7 @@ def capture(
         tuple(parameters),
         tuple(o.detach() for o in outputs),
         grad_outputs,
-        tuple(grads),
+        grads,
         randomness,
         single,
     )

@@ -1,8 +1,9 @@
 """Autograd graphs: a checkpointed stack with dropout, captured with its backward and
 replayed, against the same stack run without graphs.
 
-CUDA graphs and the CUDA generator's offsets need a GPU; on the CPU only the
-refusal of a segment count that differs from the recorded one runs.
+CUDA graphs and the CUDA generator's offsets need a GPU; on the CPU run the
+refusal of a segment count that differs from the recorded one and the packing of
+gradients.
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def test_more_segments_than_recorded_are_refused(monkeypatch):
         randomness.checkpoint(_block, torch.ones(1), torch.ones(1, 1), 1.0)
 
 
+def test_packed_gradients_come_back_equal_and_apart_from_the_buffers():
+    grads = [
+        torch.randn(3, 4),
+        None,
+        torch.randn(5, dtype=torch.bfloat16),
+        torch.randn(4, 3).t(),  # not contiguous
+        torch.randn(2, 2, 2),
+    ]
+    packed = autograd_graphs.PackedGradients.pack(grads)
+    assert sorted(map(str, packed.buffers)) == ["torch.bfloat16", "torch.float32"]
+    first = packed.unpack()
+    for buffer in packed.buffers.values():
+        buffer.fill_(7)  # the next replay writes the buffers again
+    second = packed.unpack()
+    for want, got, again in zip(grads, first, second, strict=True):
+        if want is None:
+            assert got is None and again is None
+            continue
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert bool((again == 7).all())
+
+
 def _step(stack, x, gate, run):
     """One forward and backward through ``run``; returns outputs and gradients."""
     x = x.clone().requires_grad_(True)
@@ -98,8 +122,11 @@ def test_gpu_replays_equal_the_uncaptured_call(shape, single):
         got = [_step(stack, x, gate, stack)]
     assert len(draws.starts) == 3 and draws.starts[0] == 0 and draws.total > 0
     graphs = autograd_graphs.capture(
-        lambda **kw: stack(**kw), {"x": x.clone().requires_grad_(True), "gate": gate},
-        differentiable=("x",), parameters=tuple(stack.weights), draws=draws,
+        lambda **kw: stack(**kw),
+        {"x": x.clone().requires_grad_(True), "gate": gate},
+        differentiable=("x",),
+        parameters=tuple(stack.weights),
+        draws=draws,
         checkpoint_hook=_through,
     )
 
