@@ -6,7 +6,7 @@
 For each provider (default: ``stock``, ``stock-triton`` and, when the kit's registry
 offers it, ``kit`` = every available extension on): the full OF3 model (train
 preset, 368 M parameters, 48 diffusion samples, bf16 autocast) on a random batch
-with 1024 MSA rows and 4 templates, at 384 and 768 tokens (one warm-up step, then
+with 1024 MSA rows and 4 templates, at 384 and 768 tokens (two warm-up steps, then
 ``--repeats`` timed steps; kernel launches counted in one profiled step at 384).
 Then, once every provider is timed, the largest trainable crop of each: one step
 per size on ``--ladder``, starting near the known limits (baseline table D in
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=parse_ints, default=[384, 768])
     parser.add_argument("--launch-tokens", type=parse_ints, default=[384])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ladder", type=parse_ints, default=[768, 1024, 1280, 1536])
     parser.add_argument("--no-max-crop", action="store_true")
     parser.add_argument(

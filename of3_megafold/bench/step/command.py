@@ -45,7 +45,7 @@ def run_step_bench(
     n_templ: int = 4,
     config: str = "full",
     repeats: int = 3,
-    warmup: int = 1,
+    warmup: int = 2,
     out_json: Path | str | None = None,
     max_crop: bool = False,
     *,
@@ -72,7 +72,9 @@ def run_step_bench(
         n_templ: Number of templates.
         config: Name in :data:`CONFIGS` (``full`` or ``tiny``).
         repeats: Timed steps per size (median reported).
-        warmup: Untimed steps per size first (Triton autotuning, allocator warm-up).
+        warmup: Untimed steps per size first: Triton autotuning, allocator warm-up,
+            and the trunk graphs' captures (the cycle with autograd is captured at
+            the second step).
         out_json: File to append rows to; ``None`` = ``docs/benchmarks/step.json``.
             Rows are appended as they are measured, so an interrupted run keeps them.
         max_crop: Also find the largest crop that fits: one step per size on
@@ -227,7 +229,14 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     "--config", type=click.Choice(sorted(CONFIGS)), default="full", show_default=True
 )
 @click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option(
+    "--warmup",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Untimed steps per size (the trunk graphs capture their cycle with "
+    "autograd at the second).",
+)
 @click.option(
     "--max-crop",
     is_flag=True,
