@@ -127,22 +127,17 @@ def capture_with_autograd(
 
     Raises:
         TrunkCaptureError: capture failed (with the CUDA error as its cause)."""
-    try:
-        return autograd_graphs.capture(
-            lambda **kw: original(module, **kw),
-            arguments,
-            differentiable=differentiable,
-            parameters=parameters,
-            draws=draws,
-            checkpoint_hook=checkpoints_through,
-        )
-    except RuntimeError as cause:
-        raise TrunkCaptureError(
-            f"capturing {NAME}: OF3's {type(module).__name__} with autograd into "
-            f"CUDA graphs failed ({str(cause).splitlines()[0]}); an op in it needs "
-            "the host. The process's CUDA state is not reliable after a failed "
-            f"capture: set model_update.custom.settings.memory.train.{FLAG}: false"
-        ) from cause
+    return autograd_graphs.capture(
+        lambda **kw: original(module, **kw),
+        arguments,
+        differentiable=differentiable,
+        parameters=parameters,
+        draws=draws,
+        checkpoint_hook=checkpoints_through,
+        error=TrunkCaptureError,
+        what=f"{NAME}: OF3's {type(module).__name__} with its backward",
+        flag=FLAG,
+    )
 
 
 def autograd_graphable(module: Any) -> bool:
@@ -160,6 +155,16 @@ def autograd_graphable(module: Any) -> bool:
             module, checkpoint_offload.NAME, checkpoint_offload.FLAG
         )
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    )
+
+
+def _key(module: Any, arguments: dict[str, Any]) -> tuple:
+    """What a stack's graph is specific to: the call's signature, train or eval
+    mode, and the addresses of the stack's parameters."""
+    return (
+        cuda_graphs.call_signature(arguments),
+        module.training,
+        tuple(p.data_ptr() for p in module.parameters()),
     )
 
 
@@ -182,11 +187,7 @@ class StackGraphs:
 
     def call(self, original, module: Any, arguments: dict[str, Any]):
         """A call without autograd: OF3's, captured, or replayed."""
-        key = (
-            cuda_graphs.call_signature(arguments),
-            module.training,
-            tuple(p.data_ptr() for p in module.parameters()),
-        )
+        key = _key(module, arguments)
         graphed = self.graphs.get(key)
         if graphed is not None:
             self.graphs.move_to_end(key)
@@ -209,11 +210,9 @@ class StackGraphs:
             if isinstance(value, torch.Tensor) and value.requires_grad
         )
         key = (
-            cuda_graphs.call_signature(arguments),
-            "autograd",
+            *_key(module, arguments),
             differentiable,
-            module.training,
-            tuple((p.data_ptr(), p.requires_grad) for p in module.parameters()),
+            tuple(p.requires_grad for p in module.parameters()),
         )
         graphed = self.graphs.get(key)
         if graphed is not None:

@@ -32,7 +32,12 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from of3_megafold.runtime.cuda_graphs import Outputs, autocast_cast_cache
+from of3_megafold.runtime import cuda_graphs
+from of3_megafold.runtime.cuda_graphs import (
+    CAPTURE_ERROR_MODE,
+    Outputs,
+    autocast_cast_cache,
+)
 
 
 @dataclass
@@ -42,6 +47,11 @@ class RandomDraws:
 
     starts: list[int] = field(default_factory=list)
     total: int = 0
+
+
+def _cuda_generator() -> torch.Generator:
+    """The current device's default CUDA generator."""
+    return torch.cuda.default_generators[torch.cuda.current_device()]
 
 
 @contextlib.contextmanager
@@ -54,7 +64,7 @@ def recording_draws(
         checkpoint_hook: given a replacement for ``torch.utils.checkpoint.checkpoint``
             (same arguments), a context manager under which the call's checkpoints
             go through it."""
-    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator = _cuda_generator()
     draws = RandomDraws()
     begin = generator.get_offset()
 
@@ -73,7 +83,7 @@ class CheckpointRandomness:
     and from ``backward_states[i]`` when the backward graph recomputes it."""
 
     def __init__(self, draws: RandomDraws) -> None:
-        self.generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        self.generator = _cuda_generator()
         self.draws = draws
         self.forward_states = [self.generator.clone_state() for _ in draws.starts]
         self.backward_states = [self.generator.clone_state() for _ in draws.starts]
@@ -103,9 +113,11 @@ class CheckpointRandomness:
         kwargs["preserve_rng_state"] = False  # the segment's own state does it
         return torch.utils.checkpoint.checkpoint(segment, *args, **kwargs)
 
-    def before_replay(self) -> int:
-        """Point every segment's states where an uncaptured call would draw now;
-        returns the generator's offset there (for :meth:`after_replay`)."""
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Around a forward replay: every segment's states point where an
+        uncaptured call would draw now, and the generator then moves past the
+        call's draws, as the call would have moved it."""
         seed = self.generator.initial_seed()
         begin = self.generator.get_offset()
         for start, *states in zip(
@@ -114,10 +126,7 @@ class CheckpointRandomness:
             for state in states:
                 state.manual_seed(seed)
                 state.set_offset(begin + start)
-        return begin
-
-    def after_replay(self, begin: int) -> None:
-        """Advance the generator past the call's draws, as the call would have."""
+        yield
         self.generator.set_offset(begin + self.draws.total)
 
 
@@ -201,9 +210,8 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, graphs: AutogradGraphs, *tensors):
         for name, value in zip(graphs.differentiable, tensors, strict=False):
             graphs.inputs[name].copy_(value)
-        begin = graphs.randomness.before_replay()
-        graphs.forward_graph.replay()
-        graphs.randomness.after_replay(begin)
+        with graphs.randomness.replaying():
+            graphs.forward_graph.replay()
         graphs._pending = weakref.ref(ctx)
         ctx.graphs = graphs
         outputs = tuple(output.clone() for output in graphs.outputs)
@@ -236,6 +244,9 @@ def capture(
     parameters: Sequence[torch.Tensor],
     draws: RandomDraws,
     checkpoint_hook: Callable[[Callable], contextlib.AbstractContextManager],
+    error: type[Exception],
+    what: str,
+    flag: str,
 ) -> AutogradGraphs:
     """``call(**arguments)`` and its backward captured into two CUDA graphs.
     Capture computes nothing: replay for the result.
@@ -252,10 +263,12 @@ def capture(
             give their gradients.
         draws: the uncaptured call's draws (:func:`recording_draws`).
         checkpoint_hook: as for :func:`recording_draws`.
+        error, what, flag: as for :func:`of3_megafold.runtime.cuda_graphs.capture`.
 
     Raises:
-        RuntimeError: capture failed. After a failed capture the process's CUDA
-        generator stays in capture mode: the caller must not carry on.
+        ``error``, with the CUDA error as its cause: an op in the call needs the
+        host. After a failed capture the process's CUDA generator stays in capture
+        mode: the caller must not carry on.
     """
     inputs = {
         name: value.detach().clone().requires_grad_(name in differentiable)
@@ -269,40 +282,35 @@ def capture(
         forward_graph.register_generator_state(state)
     for state in randomness.backward_states:
         backward_graph.register_generator_state(state)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            with autocast_cast_cache(False), checkpoint_hook(randomness.checkpoint):
-                forward_graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    result = call(**{**arguments, **inputs})
-                finally:
-                    forward_graph.capture_end()
-            single = isinstance(result, torch.Tensor)
-            outputs = (result,) if single else tuple(result)
-            grad_outputs = tuple(
-                torch.empty_like(o) if o.requires_grad else None for o in outputs
-            )
-            wanted = [inputs[name] for name in differentiable] + list(parameters)
-            randomness.recomputing = True
-            backward_graph.capture_begin(
-                pool=forward_graph.pool(), capture_error_mode="thread_local"
-            )
+    with cuda_graphs.capturing(error=error, what=what, flag=flag):
+        with autocast_cast_cache(False), checkpoint_hook(randomness.checkpoint):
+            forward_graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
             try:
-                grads = PackedGradients.pack(
-                    torch.autograd.grad(
-                        [o for o in outputs if o.requires_grad],
-                        wanted,
-                        grad_outputs=[g for g in grad_outputs if g is not None],
-                        allow_unused=True,
-                    )
-                )
+                result = call(**{**arguments, **inputs})
             finally:
-                backward_graph.capture_end()
-                randomness.recomputing = False
-    finally:
-        torch.cuda.current_stream().wait_stream(stream)
+                forward_graph.capture_end()
+        single = isinstance(result, torch.Tensor)
+        outputs = (result,) if single else tuple(result)
+        grad_outputs = tuple(
+            torch.empty_like(o) if o.requires_grad else None for o in outputs
+        )
+        wanted = [inputs[name] for name in differentiable] + list(parameters)
+        randomness.recomputing = True
+        backward_graph.capture_begin(
+            pool=forward_graph.pool(), capture_error_mode=CAPTURE_ERROR_MODE
+        )
+        try:
+            grads = PackedGradients.pack(
+                torch.autograd.grad(
+                    [o for o in outputs if o.requires_grad],
+                    wanted,
+                    grad_outputs=[g for g in grad_outputs if g is not None],
+                    allow_unused=True,
+                )
+            )
+        finally:
+            backward_graph.capture_end()
+            randomness.recomputing = False
     return AutogradGraphs(
         forward_graph,
         backward_graph,

@@ -22,13 +22,17 @@ Imports neither OpenFold3 nor Triton.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+CAPTURE_ERROR_MODE = "thread_local"
+"""Other threads (data loaders) may keep using CUDA while a graph is captured."""
 
 
 @dataclass
@@ -93,16 +97,28 @@ def capture(
         if isinstance(v, torch.Tensor) and k not in constants
     }
     graph = torch.cuda.CUDAGraph()
+    with capturing(error=error, what=what, flag=flag), autocast_cast_cache(
+        autocast_cache
+    ):
+        graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
+        try:
+            output = call(**{**arguments, **inputs})
+        finally:
+            graph.capture_end()
+    held = tuple(arguments[k] for k in constants if k in arguments)
+    return GraphedCall(graph, inputs, output, held)
+
+
+@contextlib.contextmanager
+def capturing(*, error: type[Exception], what: str, flag: str) -> Iterator[None]:
+    """Run the block on a side stream to capture on (the current stream waits for
+    it after); a ``RuntimeError`` in it becomes ``error``, naming ``what`` was
+    captured and the ``settings.memory`` key ``flag`` that turns it off."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(stream), autocast_cast_cache(autocast_cache):
-            # thread_local: other threads (data loaders) may keep using CUDA
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                output = call(**{**arguments, **inputs})
-            finally:
-                graph.capture_end()
+        with torch.cuda.stream(stream):
+            yield
     except RuntimeError as cause:
         raise error(
             f"capturing {what} into a CUDA graph failed "
@@ -112,8 +128,6 @@ def capture(
         ) from cause
     finally:
         torch.cuda.current_stream().wait_stream(stream)
-    held = tuple(arguments[k] for k in constants if k in arguments)
-    return GraphedCall(graph, inputs, output, held)
 
 
 def autocast_cast_cache(enabled: bool):

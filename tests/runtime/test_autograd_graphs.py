@@ -128,6 +128,9 @@ def test_gpu_replays_equal_the_uncaptured_call(shape, single):
         parameters=tuple(stack.weights),
         draws=draws,
         checkpoint_hook=_through,
+        error=RuntimeError,
+        what="a test stack",
+        flag="none",
     )
 
     def replay(x_, gate_):
