@@ -23,13 +23,19 @@ blocks' compute, and as much pinned host memory as the inputs take (a tensor tha
 would leave the host less than 8 GiB available stays on the device, warned once per
 stack). CUDA tensors only; a stack that runs without checkpoints (inference,
 ``blocks_per_ckpt`` unset), inside another saved-tensor hook (an outer checkpoint's
-region, a user's ``save_on_cpu``), or on CPU tensors runs exactly as OF3's.
+region, a user's ``save_on_cpu``), or on CPU tensors runs exactly as OF3's. So
+does a trunk stack at short crops when ``use_trunk_cuda_graphs`` is on too: there
+the trunk graphs take its cycle with autograd
+(:data:`of3_megafold.extensions.trunk_graphs.OFFLOAD_FROM_BYTES`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -85,6 +91,22 @@ def block_module(block: Any) -> torch.nn.Module | None:
     return block if isinstance(block, torch.nn.Module) else None
 
 
+_suspension = threading.local()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Within it, ``checkpoint_blocks`` runs as OF3's in this thread: the checkpoints
+    keep their inputs on the device (for a caller that graphs the stack,
+    :mod:`of3_megafold.extensions.trunk_graphs`)."""
+    depth = getattr(_suspension, "depth", 0)
+    _suspension.depth = depth + 1
+    try:
+        yield
+    finally:
+        _suspension.depth = depth
+
+
 def _other_hooks_active() -> bool:
     """A saved-tensor hook is already active (an outer checkpoint's region, a user's
     ``save_on_cpu``): it decides where saved tensors go, not this extension."""
@@ -95,6 +117,8 @@ def _offloaded_module(blocks, args, blocks_per_ckpt) -> torch.nn.Module | None:
     """The first block's module if this ``checkpoint_blocks`` call offloads, else
     None (see the module docstring for what runs as OF3's)."""
     if blocks_per_ckpt is None or not torch.is_grad_enabled() or not blocks:
+        return None
+    if getattr(_suspension, "depth", 0):
         return None
     module = block_module(blocks[0])
     if module is None or not registry.module_enabled(module, NAME, FLAG):

@@ -33,15 +33,18 @@ the forward at once and the backward when autograd reaches it. The checkpoints'
 inputs wait in the graphs' pool between the two, as they wait on the GPU in OF3's
 step; a second call before the first one's backward runs as OF3's.
 
+With ``checkpoint_offload`` on as well, the two split a stack's calls with autograd
+by size (:data:`OFFLOAD_FROM_BYTES`): short crops are graphed, their checkpoints kept
+on the device; long crops offload, as memory is what bounds them.
+
 Runs as OF3's: chunked calls (``chunk_size`` set: OF3's inference, whose chunk tuner
 runs trial blocks), stacks that empty the allocator's cache between blocks, tensors
 off CUDA, and calls with autograd whose blocks are not checkpointed, are
-checkpointed by DeepSpeed or reentrantly, or offload their checkpoints
-(``checkpoint_offload``, the key for long crops, wins). A capture that fails raises
-:class:`TrunkCaptureError` naming the key (after a failed capture the process's CUDA
-generator is left in capture mode, so running on would not be safe). Sequence
-parallelism's sharded stack exchanges tensors between processes inside the stack:
-the two are refused together in training.
+checkpointed by DeepSpeed or reentrantly, or offload their checkpoints. A capture
+that fails raises :class:`TrunkCaptureError` naming the key (after a failed capture
+the process's CUDA generator is left in capture mode, so running on would not be
+safe). Sequence parallelism's sharded stack exchanges tensors between processes
+inside the stack: the two are refused together in training.
 """
 
 from __future__ import annotations
@@ -140,21 +143,37 @@ def capture_with_autograd(
     )
 
 
+OFFLOAD_FROM_BYTES = 64 << 20
+"""With ``checkpoint_offload`` also on, a stack's call with autograd offloads its
+checkpoints when a tensor argument is this large (the pair representation from 512
+tokens, in bf16), and is graphed, its checkpoints kept on the device, when all are
+smaller. In the full model's training step offloading saves 3.9 GiB at 384 tokens and
+12.7 GiB at 768 (docs/benchmarks.md, one H200)."""
+
+
 def autograd_graphable(module: Any) -> bool:
     """Whether a stack's call with autograd can be graphed: its blocks are
-    checkpointed by ``torch.utils.checkpoint`` (non-reentrant, not DeepSpeed's), not
-    offloaded (``checkpoint_offload`` moves their inputs to the host), and no outer
-    saved-tensor hook decides where its saved tensors go."""
+    checkpointed by ``torch.utils.checkpoint`` (non-reentrant, not DeepSpeed's) and
+    no outer saved-tensor hook decides where its saved tensors go."""
     from openfold3.core.utils.checkpointing import is_deepspeed_configured
 
     return (
         getattr(module, "blocks_per_ckpt", None) is not None
         and getattr(module, "use_reentrant", None) is False
         and not is_deepspeed_configured()
-        and not registry.module_enabled(
-            module, checkpoint_offload.NAME, checkpoint_offload.FLAG
-        )
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    )
+
+
+def offloads(module: Any, arguments: dict[str, Any]) -> bool:
+    """Whether ``checkpoint_offload`` takes this call with autograd (its key is on
+    for the stack and the call reaches :data:`OFFLOAD_FROM_BYTES`)."""
+    return registry.module_enabled(
+        module, checkpoint_offload.NAME, checkpoint_offload.FLAG
+    ) and any(
+        v.numel() * v.element_size() >= OFFLOAD_FROM_BYTES
+        for v in arguments.values()
+        if isinstance(v, torch.Tensor)
     )
 
 
@@ -276,9 +295,12 @@ def _patch_stack_forward(original):
         graphs = self.__dict__.get(_CACHE_ATTR)
         if graphs is None:
             graphs = self.__dict__[_CACHE_ATTR] = StackGraphs()
-        if with_autograd:
+        if not with_autograd:
+            return graphs.call(original, self, arguments)
+        if offloads(self, arguments):
+            return original(self, *args, **kwargs)
+        with checkpoint_offload.suspended():  # the graphs keep the checkpoints
             return graphs.call_with_autograd(original, self, arguments)
-        return graphs.call(original, self, arguments)
 
     return forward
 

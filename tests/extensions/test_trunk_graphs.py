@@ -11,6 +11,7 @@ steps with the key on and off.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -135,6 +136,41 @@ def test_steps_capture_once_then_replay_every_cycle(kit, recorded_graphs):
     for kit_, stock_ in zip(steps, stock_steps, strict=True):
         assert kit_.loss == stock_.loss
         assert kit_.grad_norm == stock_.grad_norm
+
+
+@pytest.mark.parametrize("offload_from_bytes", [0, 1 << 40], ids=["long", "short"])
+def test_with_checkpoint_offload_calls_with_autograd_split_by_size(
+    kit, recorded_graphs, monkeypatch, caplog, offload_from_bytes
+):
+    from of3_megafold.bench.step import TrainingStepHarness
+    from of3_megafold.extensions import checkpoint_offload, trunk_graphs
+
+    monkeypatch.setattr(registry.get(checkpoint_offload.NAME), "device_check",
+                        lambda: (True, "test"))
+    monkeypatch.setattr(checkpoint_offload, "OFFLOAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(checkpoint_offload, "MIN_BYTES", 0)
+    monkeypatch.setattr(trunk_graphs, "OFFLOAD_FROM_BYTES", offload_from_bytes)
+    caplog.set_level(logging.DEBUG, logger=checkpoint_offload.__name__)
+    update = {"settings": {"memory": {"train": {
+        FLAG: True, checkpoint_offload.FLAG: True}}}}
+    harness = TrainingStepHarness("tiny", "stock", "cpu", num_recycles=1,
+                                  update=update)
+    for _ in range(2):
+        harness.step(_batch(harness))
+    moved = [r.args[1] for r in caplog.records
+             if r.name == checkpoint_offload.__name__ and r.args[2] > 0]
+    with_autograd = _per_stack(recorded_graphs, autograd=True)
+    assert "TemplatePairBlock" in moved  # a stack the trunk graphs leave to OF3
+    if offload_from_bytes:  # short: graphed, nothing of the two stacks offloaded
+        assert "PairFormerBlock" not in moved and "MSAModuleBlock" not in moved
+        assert {name for name, _ in with_autograd} == {
+            "MSAModuleStack", "PairFormerStack"}
+        for stack, events in with_autograd.items():
+            assert events == [("call",), ("capture", "replay")], stack
+    else:  # long: offloaded, as OF3's
+        assert moved.count("PairFormerBlock") == 4  # trunk and confidence heads
+        assert moved.count("MSAModuleBlock") == 2
+        assert with_autograd == {}
 
 
 class _Stack(torch.nn.Module):
@@ -291,6 +327,7 @@ def test_chunks_cpu_tensors_and_offloaded_checkpoints_run_as_of3s(kit, monkeypat
     for name in (NAME, "checkpoint_offload"):
         monkeypatch.setattr(registry.get(name), "device_check", lambda: (True, "test"))
     # one cycle, with autograd, whose checkpoints offload: offloading wins
+    monkeypatch.setattr(trunk_graphs, "OFFLOAD_FROM_BYTES", 0)
     update = {"settings": {"memory": {"train": {
         FLAG: True, "use_checkpoint_offload": True}}}}
     from of3_megafold.bench.step import TrainingStepHarness
@@ -300,8 +337,6 @@ def test_chunks_cpu_tensors_and_offloaded_checkpoints_run_as_of3s(kit, monkeypat
     harness.step(_batch(harness))
     assert reached == []
     stack = next(m for m in harness.model.modules() if isinstance(m, PairFormerStack))
-    assert trunk_graphs.autograd_graphable(stack) is False  # offloaded
-    harness.model.settings.memory.train["use_checkpoint_offload"] = False
     assert trunk_graphs.autograd_graphable(stack)
     for attribute, value in (("use_reentrant", True), ("blocks_per_ckpt", None)):
         kept = getattr(stack, attribute)
