@@ -177,13 +177,15 @@ def offloads(module: Any, arguments: dict[str, Any]) -> bool:
     )
 
 
-def _key(module: Any, arguments: dict[str, Any]) -> tuple:
+def _key(
+    module: Any, arguments: dict[str, Any], parameters: tuple[torch.Tensor, ...]
+) -> tuple:
     """What a stack's graph is specific to: the call's signature, train or eval
-    mode, and the addresses of the stack's parameters."""
+    mode, and the addresses of the stack's ``parameters`` (all of them, in order)."""
     return (
         cuda_graphs.call_signature(arguments),
         module.training,
-        tuple(p.data_ptr() for p in module.parameters()),
+        tuple(p.data_ptr() for p in parameters),
     )
 
 
@@ -206,7 +208,7 @@ class StackGraphs:
 
     def call(self, original, module: Any, arguments: dict[str, Any]):
         """A call without autograd: OF3's, captured, or replayed."""
-        key = _key(module, arguments)
+        key = _key(module, arguments, tuple(module.parameters()))
         graphed = self.graphs.get(key)
         if graphed is not None:
             self.graphs.move_to_end(key)
@@ -222,16 +224,17 @@ class StackGraphs:
         """A call with autograd (the trunk's last cycle): OF3's (recording where
         its checkpoints draw random numbers), captured with its backward, or
         replayed. A replay whose forward waits for its backward runs as OF3's."""
-        parameters = tuple(p for p in module.parameters() if p.requires_grad)
+        every = tuple(module.parameters())  # walked once per call
+        parameters = tuple(p for p in every if p.requires_grad)
         differentiable = tuple(
             name
             for name, value in sorted(arguments.items())
             if isinstance(value, torch.Tensor) and value.requires_grad
         )
         key = (
-            *_key(module, arguments),
+            *_key(module, arguments, every),
             differentiable,
-            tuple(p.requires_grad for p in module.parameters()),
+            tuple(p.requires_grad for p in every),
         )
         graphed = self.graphs.get(key)
         if graphed is not None:
