@@ -14,6 +14,7 @@ from of3_megafold.extensions import (
     sequence_parallel,
     smooth_lddt,
     sync_free_indexing,
+    tf32x3_linear,
     trunk_graphs,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "sequence_parallel",
     "smooth_lddt",
     "sync_free_indexing",
+    "tf32x3_linear",
     "trunk_graphs",
 ]
