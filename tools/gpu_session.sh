@@ -61,6 +61,8 @@ fi
 # OF3's experiment runner imports wandb, which the wheels leave out (logging is off)
 python3 -c "import wandb" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$PWD/tools/gpu_stubs"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+# bench train's demo set, built by tools/pack_device_wheels.py (this machine cannot)
+[ -d .demo-cache ] && export OF3_MEGAFOLD_CACHE="$PWD/.demo-cache"
 # EvoFlash keeps its autotuning choices in Triton's cache (cache_results): bring the
 # choices of an earlier machine (carried as .triton-autotune/) and send this
 # machine's back as $OUT/triton-autotune.tgz (unpack it into .triton-autotune/), so a fresh machine skips the ~3 min of

@@ -9,7 +9,10 @@ The GPU machine has torch and Triton but no package registry (docs/benchmarks.md
   wheels (the GPU machine's Python; ~51 MiB), with openfold3 repacked without
   ``tests/test_data`` and biotite without ``structure/info/components.bcif``;
 - ``.of3-snapshots/``: OF3's regression snapshots (``tests/test_data/snapshots`` of
-  the full openfold3 wheel), which ``gpu_session.sh``'s ``of3-tests`` step puts back.
+  the full openfold3 wheel), which ``gpu_session.sh``'s ``of3-tests`` step puts back;
+- ``.demo-cache/``: the demo training set (``bench train``'s data), built here: the
+  GPU machine cannot build it, having neither OF3's test data nor biotite's CCD
+  (both dropped above). ``gpu_session.sh`` points ``$OF3_MEGAFOLD_CACHE`` at it.
 
 Nothing is replaced unless every download succeeded.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -45,6 +49,7 @@ WHEELS = (
     "typing-inspection",
     "pytest-regressions",
     "pytest-datadir",
+    "platformdirs",
 )
 PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -147,6 +152,25 @@ def pack(wheels: Path, root: Path) -> None:
     print(f"{root / '.whl'}: {size:.0f} MiB; {root / '.of3-snapshots'}")
 
 
+def build_demo_set(root: Path, wheels: Path) -> Path:
+    """The demo training set in ``root/.demo-cache`` (replaced), built with this
+    machine's openfold3 and biotite, its stamp naming the biotite of ``wheels``
+    (``.whl/``) so that the GPU machine reuses it instead of rebuilding it. Its
+    components then come from this machine's biotite CCD, the same for every
+    provider a benchmark compares."""
+    from of3_megafold.demo.build import STAMP_FILE, ensure_demo_dataset
+
+    (biotite,) = wheels.glob("biotite-*.whl")
+    cache = root / ".demo-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    demo = ensure_demo_dataset(cache, progress=False)
+    stamp_file = demo / STAMP_FILE
+    stamp = json.loads(stamp_file.read_text())
+    stamp["stamp"]["biotite"] = biotite.name.split("-")[1]
+    stamp_file.write_text(json.dumps(stamp, indent=2))
+    return demo
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -159,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         download(Path(work))
         pack(Path(work), args.root)
+    print(f"demo set: {build_demo_set(args.root, args.root / '.whl')}")
     return 0
 
 

@@ -3,6 +3,7 @@ snapshots and the two folders come out of the downloaded wheels (no download her
 
 import base64
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -92,3 +93,26 @@ def test_wheels_are_pinned_where_the_docs_say():
     pinned = dict(w.split("==") for w in pack_device_wheels.WHEELS if "==" in w)
     assert pinned["openfold3"] == "0.5.0" and pinned["biotite"] == "1.8.0"
     assert pinned["pydantic-core"] == "2.50.5"  # what pydantic 2.14.4 requires
+
+
+def test_demo_set_is_stamped_with_the_carried_biotite(tmp_path, monkeypatch):
+    """The GPU machine reuses a set whose stamp matches its own biotite, so the
+    stamp names the carried wheel's, not this machine's."""
+    from of3_megafold.demo import build
+
+    def ensure(cache, progress):
+        demo = cache / "demo-x"
+        demo.mkdir(parents=True)
+        stamp = {"stamp": {"biotite": "1.6.0", "openfold3": "0.5.0"}, "summary": {}}
+        (demo / build.STAMP_FILE).write_text(json.dumps(stamp))
+        return demo
+
+    monkeypatch.setattr(build, "ensure_demo_dataset", ensure)
+    wheels = tmp_path / ".whl"
+    wheels.mkdir()
+    (wheels / "biotite-1.8.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    (tmp_path / ".demo-cache" / "stale").mkdir(parents=True)
+    demo = pack_device_wheels.build_demo_set(tmp_path, wheels)
+    stamp = json.loads((demo / build.STAMP_FILE).read_text())["stamp"]
+    assert stamp == {"biotite": "1.8.0", "openfold3": "0.5.0"}
+    assert sorted(p.name for p in (tmp_path / ".demo-cache").iterdir()) == ["demo-x"]
