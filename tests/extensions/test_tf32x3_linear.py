@@ -22,7 +22,9 @@ FLAG = "use_tf32x3_linear"
 
 @pytest.fixture
 def kernel_calls(monkeypatch, interpreted_kernels):
-    """The shapes of the inputs the kit's linear ran on; every GEMM counts."""
+    """The shapes of the inputs the kit's linear ran on; every GEMM counts. The
+    float32 matmul precision is torch's default for the test (OF3's ``predict``,
+    which other tests run in this process, leaves it at "high")."""
     import of3_megafold.kernels.tf32x3_linear as kernel
 
     calls = []
@@ -34,7 +36,10 @@ def kernel_calls(monkeypatch, interpreted_kernels):
 
     monkeypatch.setattr(kernel, "tf32x3_linear", counted)
     monkeypatch.setattr(tf32x3_linear, "MIN_MNK", 1)
-    return calls
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield calls
+    torch.set_float32_matmul_precision(before)
 
 
 def _linear(seed, k=24, n=40, bias=True, precision=None):
