@@ -23,8 +23,9 @@ backward, when:
   at bf16, keeps OF3's 16-bit GEMM);
 - torch's float32 matmul precision is "highest": at "high" or "medium" the user has
   chosen TF32 or bf16 GEMMs, and OF3's call runs them;
-- the GEMM has at least ``MIN_MNK`` multiply-adds (``M * N * K``): below it a GEMM
-  is bound by its launch, and three GEMMs and two splits cost more than one.
+- the GEMM has at least ``MIN_MNK`` multiply-adds (``M * N * K``) and its two
+  weight dims are at least ``MIN_WIDTH``: a smaller GEMM is bound by its launch, a
+  narrower one by memory, and there three GEMMs and the splits cost more than one.
 
 Everything else runs OF3's forward. The result is OF3's to fp32 rounding, not
 element for element (tests/kernels/test_tf32x3_linear.py).
@@ -44,6 +45,13 @@ MIN_MNK = 2**28
 """Smallest GEMM (multiply-adds) the kit takes: 2^28 is ~8 us of fp32 CUDA-core work
 on an H200 (67 TFLOP/s), where a launch costs ~3 us; OF3's diffusion-module GEMMs at
 384 tokens and 48 samples (``[18432, 768] @ [768, 768]``) have 2^33.4."""
+
+MIN_WIDTH = 256
+"""Narrowest ``K`` and ``N`` the kit takes. The three GEMMs read their operand and
+read and write the fp32 output once each, ~12 (3K + 6N) bytes per row; one fp32
+CUDA-core GEMM computes 2 K N flops per row. At an H200's 4.8 TB/s and 67 TFLOP/s
+the passes cost less than the arithmetic they save only where K = N > ~190: the
+atom transformer's 128-wide GEMMs stay OF3's (``bench linear``'s ``atom`` case)."""
 
 
 def fp32_input(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -67,7 +75,7 @@ def fp32_input(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     elif precision != torch.float32:
         return None
     n, k = weight.shape
-    if (x.numel() // k) * n * k < MIN_MNK:
+    if min(n, k) < MIN_WIDTH or (x.numel() // k) * n * k < MIN_MNK:
         return None
     if not runs_on(x):  # CPU tensors on a GPU machine
         registry.log_device_fallback(NAME, x.device.type)
@@ -93,9 +101,9 @@ EXTENSION = registry.register(
     registry.memory_flag_extension(
         NAME,
         FLAG,
-        help="run OF3's fp32 Linear GEMMs (the diffusion module, the confidence heads "
-        "in training) as three TF32 tensor-core GEMMs of split operands (3xTF32): "
-        "fp32 accuracy, not OF3's bits",
+        help="run OF3's large fp32 Linear GEMMs (the diffusion transformer's) as three "
+        "TF32 tensor-core GEMMs of split operands (3xTF32): fp32 accuracy, not OF3's "
+        "bits",
         summary="OF3's fp32 Linear GEMMs on TF32 tensor cores at fp32 accuracy "
         "(3xTF32)",
         device_check=triton_backend,

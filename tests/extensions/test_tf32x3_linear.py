@@ -36,6 +36,7 @@ def kernel_calls(monkeypatch, interpreted_kernels):
 
     monkeypatch.setattr(kernel, "tf32x3_linear", counted)
     monkeypatch.setattr(tf32x3_linear, "MIN_MNK", 1)
+    monkeypatch.setattr(tf32x3_linear, "MIN_WIDTH", 1)
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     yield calls
@@ -81,7 +82,8 @@ def test_fp32_linear_matches_of3_in_fp64(kit, kernel_calls, bias, shape):
 
 def test_which_gemms_it_takes(kit, kernel_calls, monkeypatch):
     """fp32 GEMMs only: OF3's 16-bit ones (a bf16 input, autocast at bf16), TF32
-    chosen by the user, and GEMMs below ``MIN_MNK`` run OF3's forward."""
+    chosen by the user, and GEMMs below ``MIN_MNK`` or ``MIN_WIDTH`` run OF3's
+    forward."""
     activate(force=[NAME])
     x = torch.randn(4, 24)
     fp32 = _linear(3)
@@ -115,6 +117,9 @@ def test_which_gemms_it_takes(kit, kernel_calls, monkeypatch):
     fp32(x)
     assert kernel_calls == []
     monkeypatch.setattr(tf32x3_linear, "MIN_MNK", 4 * 24 * 40)
+    fp32(x)
+    assert kernel_calls == [(4, 24)]
+    monkeypatch.setattr(tf32x3_linear, "MIN_WIDTH", 25)  # K = 24 < 25 <= N = 40
     fp32(x)
     assert kernel_calls == [(4, 24)]
 
