@@ -33,7 +33,6 @@ BENCHMARKS = {
     "transition": ("transition",),
     "triangle-multiplication": ("triangle_multiplication",),
     "features": ("features",),
-    "linear": ("linear",),
 }
 """``of3-megafold bench <what>`` -> modules of ``of3_megafold.bench``, each with
 ``run(out_json, quick)`` writing ``<out-dir>/<module>.json``. ``bench step`` (one

@@ -14,7 +14,6 @@ from of3_megafold.extensions import (
     sequence_parallel,
     smooth_lddt,
     sync_free_indexing,
-    tf32x3_linear,
     trunk_graphs,
 )
 
@@ -28,6 +27,5 @@ __all__ = [
     "sequence_parallel",
     "smooth_lddt",
     "sync_free_indexing",
-    "tf32x3_linear",
     "trunk_graphs",
 ]

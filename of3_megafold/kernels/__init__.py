@@ -17,7 +17,6 @@ layer_norm               evofusion_transitions              step
 layer_norm               evofusion_triangle_multiplication  triangle-multiplication
 triangle_multiplication  evofusion_triangle_multiplication  triangle-multiplication
 smooth_lddt              smooth_lddt                        smooth-lddt
-tf32x3_linear            tf32x3_linear                      linear
 =======================  =================================  =======================
 
 ``bench attention`` runs ``attention-core`` (the kernel) and ``attention-module``
