@@ -112,13 +112,13 @@ def _fwd_bwd(row: Row) -> bool:
 
 def _step_of_record(row: Row) -> bool:
     """Training steps at OF3's recycle draw (3), in OF3's fp32 matmul precision,
-    except the provider that needs TF32 (OF3 with cuEquivariance's kernels)."""
-    tf32_ok = row.get("provider") == "stock-cueq-tf32"
+    or in TF32 where the provider says so (``kit-tf32``, ``stock-cueq-tf32``)."""
+    precision = "high" if row.get("provider", "").endswith("-tf32") else "highest"
     return (
         row.get("mode") == "step"
         and row.get("recycles") == 3
         and not row.get("variant")
-        and (tf32_ok or row.get("matmul_precision") == "highest")
+        and row.get("matmul_precision") == precision
     )
 
 
@@ -186,6 +186,7 @@ TABLES: tuple[Table, ...] = (
             "stock-triton",
             "stock",
             "stock-cueq-tf32",
+            "kit-tf32",
         ),
         include=_step_of_record,
         cell=step_cell,

@@ -470,6 +470,20 @@ def test_rival_providers_run_only_when_named(no_registry, monkeypatch):
         step.provider_update("stock-cueq", "cuda")
 
 
+def test_a_tf32_suffix_is_its_provider_with_tf32_matmuls(no_registry):
+    assert step.provider_update("stock-triton-tf32", "cuda") == step.provider_update(
+        "stock-triton", "cuda"
+    )
+    assert step.provider_availability("stock-tf32", "cuda") == (True, "")
+    ok, reason = step.provider_availability("stock-tf32", "cpu")
+    assert not ok and "TF32 matmuls need a CUDA device" in reason
+    ok, reason = step.provider_availability("kit-tf32", "cuda")
+    assert not ok and "registry is not installed" in reason  # the kit's own reason
+    ok, reason = step.provider_availability("nothing-tf32", "cuda")
+    assert not ok and "unknown provider 'nothing'" in reason
+    assert not any(name.endswith("-tf32") for name in step.available_providers("cuda"))
+
+
 @pytest.fixture
 def ieee_fp32_matmuls():
     """The harness's default matmul precision for the test (an OF3 run earlier in

@@ -102,3 +102,20 @@ def test_missing_markers_and_broken_json_name_the_fix(tmp_path):
     text = "<!-- table:tiny:start -->\n<!-- table:tiny:end -->\n"
     with pytest.raises(SystemExit, match=r"Error: .*tiny\.json: not valid JSON"):
         bt.rewrite(text, (TABLE,), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("provider", "precision", "shown"),
+    [
+        ("kit", "highest", True),
+        ("kit", "high", False),  # TF32 under a provider name that does not say so
+        ("kit-tf32", "high", True),
+        ("kit-tf32", "highest", False),
+        ("stock-cueq-tf32", "high", True),
+    ],
+)
+def test_step_rows_of_record_are_in_the_precision_their_provider_names(
+    provider, precision, shown
+):
+    row = {"provider": provider, "mode": "step", "recycles": 3}
+    assert bt._step_of_record({**row, "matmul_precision": precision}) is shown

@@ -26,9 +26,10 @@ exactly like ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``,
 ``stock-triton`` turns on OF3's own Triton triangle-attention kernel, ``kit`` turns
 on every available kit extension, each kit extension is also a provider of its
 own name, and ``kit-without-<extension>`` is the kit less one extension.
-``stock-cueq`` (``-tf32``: with TF32 matmuls, which its fp32 backward needs) and
-``stock-deepspeed`` turn on OF3's flags for cuEquivariance's and DeepSpeed's kernels;
-they run only when named, and a failure of theirs is a row's ``error``. All providers
+``stock-cueq`` and ``stock-deepspeed`` turn on OF3's flags for cuEquivariance's and
+DeepSpeed's kernels; they run only when named, and a failure of theirs is a row's
+``error``. Any provider with ``-tf32`` appended runs its step with TF32 matmuls (as
+OF3's ``--use_tf32``; ``stock-cueq-tf32``: its fp32 backward needs them). All providers
 run in one process on the same weights (same seed) and the same batch, so their
 times and losses can be compared directly.
 
@@ -68,6 +69,7 @@ from of3_megafold.bench.step.providers import (
     KIT_WITHOUT,
     PROVIDERS,
     RIVAL_PROVIDERS,
+    TF32_SUFFIX,
     available_providers,
     build_model_config,
     deep_merge,
@@ -86,6 +88,7 @@ __all__ = [
     "PROVIDERS",
     "RIVAL_PROVIDERS",
     "SEED",
+    "TF32_SUFFIX",
     "FixedRecycles",
     "LossesDisabledError",
     "ProbeProcessDied",

@@ -212,9 +212,10 @@ def _int_list(_ctx, _param, value: str | None) -> list[int] | None:
     "providers",
     multiple=True,
     help="Provider to run (repeatable): stock, stock-triton, stock-cueq, "
-    "stock-cueq-tf32, stock-deepspeed, kit, an extension name, or "
-    "kit-without-<extension> (the kit less one extension). Default: every "
-    "provider available here except the stock-cueq and stock-deepspeed ones.",
+    "stock-deepspeed, kit, an extension name, or kit-without-<extension> (the kit "
+    "less one extension); any of them with -tf32 appended runs with TF32 matmuls "
+    "(kit-tf32). Default: every provider available here except the stock-cueq and "
+    "stock-deepspeed ones, in OF3's fp32 precision.",
 )
 @click.option(
     "--tokens",

@@ -16,7 +16,11 @@ from of3_megafold.bench.step.harness import (
     TrainingStepHarness,
     random_training_batch,
 )
-from of3_megafold.bench.step.providers import RIVAL_PROVIDERS, matmul_tf32
+from of3_megafold.bench.step.providers import (
+    RIVAL_PROVIDERS,
+    matmul_tf32,
+    split_tf32,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +66,11 @@ def measure_step(
 
     Returns the row fields; ``oom`` is True (and the timings ``None``) when a step
     does not fit, and a rival provider's failure is an ``error`` field rather than
-    an exception. ``matmul_precision`` is read while the steps run (a rival provider
-    may switch TF32 on for them). Memory is freed before returning in any case.
+    an exception. ``matmul_precision`` is read while the steps run (a ``-tf32``
+    provider switches TF32 on for them). Memory is freed before returning in any case.
     """
-    rival = RIVAL_PROVIDERS.get(harness.provider)
-    tf32 = bool(rival and rival[2])
+    provider, tf32 = split_tf32(harness.provider)
+    rival = RIVAL_PROVIDERS.get(provider)
     batch = random_training_batch(n_token, n_msa, n_templ, harness.device, harness.seed)
     n_atom = int(batch["atom_mask"].shape[-1])
     results: list[StepResult] = []

@@ -4,9 +4,10 @@ A provider is a nested dict merged into OF3's model config exactly like
 ``model_update.custom`` in a runner YAML: ``stock`` is ``{}``, ``stock-triton`` turns
 on OF3's own Triton triangle-attention kernel, ``kit`` turns on every available kit
 extension (read from the kit's registry), each kit extension is also a provider of
-its own name, ``kit-without-<extension>`` is the kit less one extension, and the
+its own name, ``kit-without-<extension>`` is the kit less one extension, the
 ``stock-cueq``/``stock-deepspeed`` providers turn on OF3's flags for other projects'
-kernels. :func:`provider_model_config` builds OF3's training config for one.
+kernels, and ``<provider>-tf32`` is any of them with TF32 matmuls for the whole step.
+:func:`provider_model_config` builds OF3's training config for one.
 """
 
 from __future__ import annotations
@@ -30,23 +31,35 @@ PROVIDERS: dict[str, dict] = {
 
 # OF3's flags for other projects' kernels (cuEquivariance: its triangle attention and
 # triangle multiplication; DeepSpeed: its evoformer attention) -> (the rival in
-# of3_megafold.bench.rivals, the update, TF32 matmuls on). Run only when named,
-# never by default. cuEquivariance's triangle-attention backward refuses fp32 inputs
-# unless TF32 matmuls are allowed (its error says so), and OF3 runs some of its
-# attention in fp32: ``stock-cueq-tf32`` allows them, for the whole step, as a user
-# would have to.
-_CUEQ = {"settings": {"memory": {"train": {"use_cueq_triangle_kernels": True}}}}
-
-
-RIVAL_PROVIDERS: dict[str, tuple[str, dict, bool]] = {
-    "stock-cueq": ("cueq", _CUEQ, False),
-    "stock-cueq-tf32": ("cueq", _CUEQ, True),
+# of3_megafold.bench.rivals, the update). Run only when named, never by default.
+# cuEquivariance's triangle-attention backward refuses fp32 inputs unless TF32
+# matmuls are allowed (its error says so), and OF3 runs some of its attention in
+# fp32: ``stock-cueq-tf32`` allows them, for the whole step, as a user would have to.
+RIVAL_PROVIDERS: dict[str, tuple[str, dict]] = {
+    "stock-cueq": (
+        "cueq",
+        {"settings": {"memory": {"train": {"use_cueq_triangle_kernels": True}}}},
+    ),
     "stock-deepspeed": (
         "deepspeed",
         {"settings": {"memory": {"train": {"use_deepspeed_evo_attention": True}}}},
-        False,
     ),
 }
+
+TF32_SUFFIX = "-tf32"
+"""Provider suffix: ``<provider>-tf32`` is ``<provider>`` with TF32 matmuls for the
+whole step (float32 matmul precision ``high``, what OF3's ``--use_tf32`` sets). OF3
+trains with IEEE fp32 matmuls by default, and its diffusion module, confidence heads
+and losses run in fp32 under bf16 autocast: this is a precision trade, timed beside
+the provider without it."""
+
+
+def split_tf32(name: str) -> tuple[str, bool]:
+    """``(provider, tf32)``: ``name`` less :data:`TF32_SUFFIX`, and whether it had
+    it."""
+    if name.endswith(TF32_SUFFIX):
+        return name.removesuffix(TF32_SUFFIX), True
+    return name, False
 
 
 @contextlib.contextmanager
@@ -160,6 +173,11 @@ def kit_provider_updates(without: str | None = None) -> dict[str, dict]:
 def provider_availability(name: str, device: torch.device | str) -> tuple[bool, str]:
     """Whether provider ``name`` can run on ``device``, and why not."""
     device = torch.device(device)
+    base, tf32 = split_tf32(name)
+    if tf32:
+        if device.type != "cuda":
+            return False, f"{name}: TF32 matmuls need a CUDA device"
+        return provider_availability(base, device)
     if name == "stock":
         return True, ""
     if name == "stock-triton":
@@ -192,7 +210,7 @@ def provider_availability(name: str, device: torch.device | str) -> tuple[bool, 
             return False, f"{name}: {left_out} is unavailable here, so kit is the same"
         return True, ""
     known = ", ".join(sorted({*PROVIDERS, *RIVAL_PROVIDERS, "kit", *extensions,
-                              f"{KIT_WITHOUT}<extension>"}))
+                              f"{KIT_WITHOUT}<extension>", f"<provider>{TF32_SUFFIX}"}))
     return False, f"unknown provider {name!r}; known providers: {known}"
 
 
@@ -213,6 +231,7 @@ def provider_update(name: str, device: torch.device | str) -> dict:
     ok, reason = provider_availability(name, device)
     if not ok:
         raise ValueError(f"provider {name!r} is unavailable: {reason}")
+    name = split_tf32(name)[0]  # the precision is the step's, not the config's
     if name in PROVIDERS:
         return copy.deepcopy(PROVIDERS[name])
     if name in RIVAL_PROVIDERS:
