@@ -86,7 +86,9 @@ DEFAULT_RUNNER_YAML = (
 )
 """``runner_yamls/train_full.yml`` of the kit's source tree."""
 
-PROVIDERS = ("stock", "stock-triton", "kit")
+PROVIDERS = ("stock", "stock-triton", "kit", "stock-triton-tf32", "kit-tf32")
+"""``-tf32``: the provider with TF32 matmuls for the whole run, as OF3's ``--use_tf32``
+(``of3_megafold.bench.step.TF32_SUFFIX``)."""
 
 
 class _Marks:
@@ -600,7 +602,7 @@ def run_train_bench(
     """Train one provider for ``steps`` optimizer steps; append a row per step.
 
     Args:
-        provider: ``stock``, ``stock-triton`` or ``kit``.
+        provider: one of :data:`PROVIDERS`.
         n_token: token crop of every training dataset.
         steps: optimizer steps (the first of an epoch of the YAML's length).
         out_json: the rows' file (``train_run.json``); appended to step by step.
@@ -617,6 +619,7 @@ def run_train_bench(
     Returns:
         The rows written.
     """
+    from of3_megafold.bench.step import matmul_tf32, split_tf32
     from of3_megafold.demo.train import resolve_device, run_demo_training
 
     check_rows_readable(out_json)
@@ -660,6 +663,7 @@ def run_train_bench(
             "label": label or None,
             "n_token": n_token,
             "run": run_id,
+            "matmul_precision": torch.get_float32_matmul_precision(),
             **row,
             **meta,
         }
@@ -676,6 +680,7 @@ def run_train_bench(
     with (
         tempfile.TemporaryDirectory(prefix="of3mf-bench-train-") as work,
         warnings.catch_warnings(),
+        matmul_tf32(split_tf32(provider)[1]),
     ):
         # Lightning warns that a plain loader restarts its epoch on a mid-epoch
         # resume; ResumableRun's loader skips the batches already trained.

@@ -88,6 +88,16 @@ def test_bench_runner_merges_the_provider_and_the_crop(tmp_path):
         bench_train.bench_runner(
             bench_train.DEFAULT_RUNNER_YAML, "stock-triton", 384, "cpu"
         )
+    tf32 = bench_train.bench_runner(  # TF32 is the run's precision, not a key
+        bench_train.DEFAULT_RUNNER_YAML, "stock-triton-tf32", 768, "cuda"
+    )
+    assert tf32 == bench_train.bench_runner(
+        bench_train.DEFAULT_RUNNER_YAML, "stock-triton", 768, "cuda"
+    )
+    with pytest.raises(KitError, match="TF32 matmuls need a CUDA device"):
+        bench_train.bench_runner(
+            bench_train.DEFAULT_RUNNER_YAML, "kit-tf32", 384, "cpu"
+        )
 
 
 # -- summaries on synthetic rows ---------------------------------------------------

@@ -74,9 +74,11 @@ from of3_megafold.bench.step.providers import (
     build_model_config,
     deep_merge,
     kit_provider_updates,
+    matmul_tf32,
     provider_availability,
     provider_model_config,
     provider_update,
+    split_tf32,
 )
 
 __all__ = [
@@ -99,11 +101,13 @@ __all__ = [
     "deep_merge",
     "format_table",
     "kit_provider_updates",
+    "matmul_tf32",
     "provider_availability",
     "provider_model_config",
     "provider_update",
     "random_training_batch",
     "run_step_bench",
+    "split_tf32",
     "step_command",
     "watch_alignment",
 ]
