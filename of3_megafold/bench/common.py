@@ -13,6 +13,7 @@ buffer that would otherwise be counted.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import gc
@@ -241,6 +242,35 @@ def wall_ms_per_call(fn: Callable[[], Any], calls: int, warmup: int = 3) -> floa
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - started) / calls * 1e3
+
+
+TF32_SUFFIX = "-tf32"
+"""Provider suffix: ``<provider>-tf32`` is ``<provider>`` with TF32 matmuls for the
+whole step (float32 matmul precision ``high``, what OF3's ``--use_tf32`` sets). OF3
+trains with IEEE fp32 matmuls by default, and its diffusion module, confidence heads
+and losses run in fp32 under bf16 autocast: this is a precision trade, timed beside
+the provider without it. Both ``bench step`` and ``bench train`` take it."""
+
+
+def split_tf32(name: str) -> tuple[str, bool]:
+    """``(provider, tf32)``: ``name`` less :data:`TF32_SUFFIX`, and whether it had
+    it."""
+    if name.endswith(TF32_SUFFIX):
+        return name.removesuffix(TF32_SUFFIX), True
+    return name, False
+
+
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool):
+    """Inside, fp32 matmuls may use TF32 (float32 matmul precision ``high``) if
+    ``enabled``; the precision is restored on leaving."""
+    before = torch.get_float32_matmul_precision()
+    if enabled and before == "highest":
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

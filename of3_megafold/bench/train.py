@@ -69,11 +69,14 @@ import yaml
 
 from of3_megafold.bench.common import (
     GIB,
+    TF32_SUFFIX,
     append_rows,
     check_rows_readable,
     environment_metadata,
+    matmul_tf32,
     out_dir_option,
     read_rows,
+    split_tf32,
 )
 from of3_megafold.bench.train_report import PHASES, format_summary, plot_runs
 from of3_megafold.demo.train import LossRecorder, batch_sample
@@ -86,9 +89,10 @@ DEFAULT_RUNNER_YAML = (
 )
 """``runner_yamls/train_full.yml`` of the kit's source tree."""
 
-PROVIDERS = ("stock", "stock-triton", "kit", "stock-triton-tf32", "kit-tf32")
-"""``-tf32``: the provider with TF32 matmuls for the whole run, as OF3's ``--use_tf32``
-(``of3_megafold.bench.step.TF32_SUFFIX``)."""
+_FP32_PROVIDERS = ("stock", "stock-triton", "kit")
+PROVIDERS = (*_FP32_PROVIDERS, *(name + TF32_SUFFIX for name in _FP32_PROVIDERS))
+"""Each in OF3's fp32 precision, and with :data:`TF32_SUFFIX`: with TF32 matmuls for
+the whole run, as OF3's ``--use_tf32``."""
 
 
 class _Marks:
@@ -619,7 +623,6 @@ def run_train_bench(
     Returns:
         The rows written.
     """
-    from of3_megafold.bench.step import matmul_tf32, split_tf32
     from of3_megafold.demo.train import resolve_device, run_demo_training
 
     check_rows_readable(out_json)

@@ -69,16 +69,13 @@ from of3_megafold.bench.step.providers import (
     KIT_WITHOUT,
     PROVIDERS,
     RIVAL_PROVIDERS,
-    TF32_SUFFIX,
     available_providers,
     build_model_config,
     deep_merge,
     kit_provider_updates,
-    matmul_tf32,
     provider_availability,
     provider_model_config,
     provider_update,
-    split_tf32,
 )
 
 __all__ = [
@@ -90,7 +87,6 @@ __all__ = [
     "PROVIDERS",
     "RIVAL_PROVIDERS",
     "SEED",
-    "TF32_SUFFIX",
     "FixedRecycles",
     "LossesDisabledError",
     "ProbeProcessDied",
@@ -101,13 +97,11 @@ __all__ = [
     "deep_merge",
     "format_table",
     "kit_provider_updates",
-    "matmul_tf32",
     "provider_availability",
     "provider_model_config",
     "provider_update",
     "random_training_batch",
     "run_step_bench",
-    "split_tf32",
     "step_command",
     "watch_alignment",
 ]

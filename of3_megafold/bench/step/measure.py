@@ -10,17 +10,18 @@ from typing import Any
 
 import torch
 
-from of3_megafold.bench.common import free_device_memory, is_out_of_memory
+from of3_megafold.bench.common import (
+    free_device_memory,
+    is_out_of_memory,
+    matmul_tf32,
+    split_tf32,
+)
 from of3_megafold.bench.step.harness import (
     StepResult,
     TrainingStepHarness,
     random_training_batch,
 )
-from of3_megafold.bench.step.providers import (
-    RIVAL_PROVIDERS,
-    matmul_tf32,
-    split_tf32,
-)
+from of3_megafold.bench.step.providers import RIVAL_PROVIDERS
 
 logger = logging.getLogger(__name__)
 

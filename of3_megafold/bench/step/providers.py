@@ -12,13 +12,14 @@ kernels, and ``<provider>-tf32`` is any of them with TF32 matmuls for the whole 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from of3_megafold.bench.common import TF32_SUFFIX, split_tf32
 
 # Provider name -> model-config update (merged like `model_update.custom`).
 PROVIDERS: dict[str, dict] = {
@@ -45,35 +46,6 @@ RIVAL_PROVIDERS: dict[str, tuple[str, dict]] = {
         {"settings": {"memory": {"train": {"use_deepspeed_evo_attention": True}}}},
     ),
 }
-
-TF32_SUFFIX = "-tf32"
-"""Provider suffix: ``<provider>-tf32`` is ``<provider>`` with TF32 matmuls for the
-whole step (float32 matmul precision ``high``, what OF3's ``--use_tf32`` sets). OF3
-trains with IEEE fp32 matmuls by default, and its diffusion module, confidence heads
-and losses run in fp32 under bf16 autocast: this is a precision trade, timed beside
-the provider without it."""
-
-
-def split_tf32(name: str) -> tuple[str, bool]:
-    """``(provider, tf32)``: ``name`` less :data:`TF32_SUFFIX`, and whether it had
-    it."""
-    if name.endswith(TF32_SUFFIX):
-        return name.removesuffix(TF32_SUFFIX), True
-    return name, False
-
-
-@contextlib.contextmanager
-def matmul_tf32(enabled: bool):
-    """Inside, fp32 matmuls may use TF32 (float32 matmul precision ``high``) if
-    ``enabled``; the precision is restored on leaving."""
-    before = torch.get_float32_matmul_precision()
-    if enabled and before == "highest":
-        torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
 
 # Config name -> update applied on top of OF3's default config + `train` preset.
 CONFIGS: dict[str, dict] = {
