@@ -110,6 +110,14 @@ def _fwd_bwd(row: Row) -> bool:
     return row.get("mode") == "fwd+bwd"
 
 
+def _predict_of_record(row: Row) -> bool:
+    """A prediction row of the table: OF3's zero output layers drawn at bench
+    predict's gain, and the pairformer stack's 48 blocks run (a walk with
+    ``--ladder-pairformer-blocks`` times less, for its peak; docs/benchmarks.md
+    quotes those)."""
+    return "output_gain" in row and row.get("pairformer_blocks", 48) == 48
+
+
 def _step_of_record(row: Row) -> bool:
     """Training steps at OF3's recycle draw (3), in OF3's fp32 matmul precision,
     or in TF32 where the provider says so (``kit-tf32``, ``stock-cueq-tf32``)."""
@@ -235,8 +243,7 @@ TABLES: tuple[Table, ...] = (
         "predict",
         ("n_token", "rollout_steps", "recycles"),
         ("kit", "stock-triton", "stock"),
-        # rows whose zero output layers were drawn at bench predict's gain
-        include=lambda row: "output_gain" in row,
+        include=_predict_of_record,
         cell=step_cell,
         ratio=("stock-triton", "kit"),
         labels=("tokens", "rollout steps", "recycles"),

@@ -35,11 +35,14 @@ layers (their ``positions_rms_a``, 0.0, compared nothing).
 
 The largest size: after the fixed sizes, each provider walks ``--ladder`` upwards
 until a prediction runs out of memory (a row with ``status: "oom"``). The walk's
-predictions roll out ``--ladder-rollout-steps`` steps (20) instead of 200 and run
-``--ladder-recycles`` recycles (0) instead of 3: the rollout repeats one step and
-the trunk one cycle, each without autograd, whose activations are freed before
-the next, so the counts change the time, not the peak; every row records its
-``rollout_steps`` and ``recycles``.
+predictions roll out ``--ladder-rollout-steps`` steps (20) instead of 200, run
+``--ladder-recycles`` recycles (0) instead of 3 and, with
+``--ladder-pairformer-blocks k``, the first k of the pairformer stack's 48 blocks:
+the rollout repeats one step, the trunk one cycle and the stack one block, each
+without autograd, whose activations are freed before the next, so the counts change
+the time, not the peak (the blocks left out stay on the device, their weights
+counted in the peak); every row records its ``rollout_steps``, ``recycles`` and
+``pairformer_blocks``.
 The walk stops early, with a ``status: "skipped"`` row saying why, when the next
 size's predicted time (the last time scaled by the cube of the size ratio; the
 first rung is scaled from the last fixed size, at its full rollout) would overrun
@@ -209,20 +212,33 @@ class Predictor:
         """The trunk's recycles in the next prediction."""
         return int(self.model.shared.num_recycles)
 
+    @property
+    def pairformer_blocks(self) -> int:
+        """The pairformer stack's blocks run in the next prediction."""
+        return len(self.model.pairformer_stack.blocks)
+
     @contextlib.contextmanager
-    def shortened(self, steps: int | None, recycles: int | None) -> Iterator[None]:
-        """Within, predictions roll out ``steps`` steps and run ``recycles``
-        recycles (None: the config's)."""
-        shared = self.model.shared
+    def shortened(
+        self, steps: int | None, recycles: int | None, blocks: int | None = None
+    ) -> Iterator[None]:
+        """Within, predictions roll out ``steps`` steps, run ``recycles`` recycles
+        and the first ``blocks`` of the pairformer stack's blocks (None: the
+        config's). The blocks left out stay on the device: the weights' memory is
+        the full model's."""
+        shared, stack = self.model.shared, self.model.pairformer_stack
         before = shared.diffusion.no_full_rollout_steps, shared.num_recycles
+        every_block = stack.blocks
         if steps is not None:
             shared.diffusion.no_full_rollout_steps = steps
         if recycles is not None:
             shared.num_recycles = recycles
+        if blocks is not None:
+            stack.blocks = torch.nn.ModuleList(list(every_block)[:blocks])
         try:
             yield
         finally:
             shared.diffusion.no_full_rollout_steps, shared.num_recycles = before
+            stack.blocks = every_block
 
     def close(self) -> None:
         del self.model
@@ -310,6 +326,7 @@ def run_predict_bench(
     ladder: Sequence[int] = (),
     ladder_rollout_steps: int | None = 20,
     ladder_recycles: int | None = 0,
+    ladder_pairformer_blocks: int | None = None,
     budget_s: float = 600.0,
     n_msa: int = 16,
     n_templ: int = 2,
@@ -350,7 +367,12 @@ def run_predict_bench(
             _run_provider(
                 predictor,
                 sizes,
-                (ladder, ladder_rollout_steps, ladder_recycles),
+                (
+                    ladder,
+                    ladder_rollout_steps,
+                    ladder_recycles,
+                    ladder_pairformer_blocks,
+                ),
                 budget_s,
                 (n_msa, n_templ),
                 references,
@@ -363,17 +385,28 @@ def run_predict_bench(
 
 def _run_provider(
     predictor: Predictor,
-    sizes: Sequence[int],
-    ladder: tuple[Sequence[int], int | None, int | None],
+    fixed_sizes: Sequence[int],
+    ladder: tuple[Sequence[int], int | None, int | None, int | None],
     budget_s: float,
     msa_templ: tuple[int, int],
     references: dict[int, Prediction],
     write: Callable[[dict[str, Any]], None],
 ) -> None:
-    """One provider: a warm-up and a timed prediction at each of ``sizes``, the
+    """One provider: a warm-up and a timed prediction at each of ``fixed_sizes``, the
     outputs compared with ``references`` (the first provider's, filled in by it),
-    then the ladder walk (its sizes, rollout steps and recycles), one prediction
-    per size."""
+    then the ladder walk (its sizes, rollout steps, recycles and pairformer
+    blocks), one prediction per size.
+
+    Raises:
+        KitError: the ladder's pairformer blocks are not within 1 and the stack's
+            block count (before anything is predicted).
+    """
+    sizes, steps, recycles, blocks = ladder
+    if blocks is not None and not 1 <= blocks <= predictor.pairformer_blocks:
+        raise KitError(
+            f"--ladder-pairformer-blocks {blocks}: the pairformer stack has "
+            f"{predictor.pairformer_blocks} blocks"
+        )
 
     def timed(n_token: int, warm_up: bool) -> Prediction:
         batch = predictor.batch(n_token, *msa_templ)
@@ -390,10 +423,11 @@ def _run_provider(
             "peak_gib": peak,
             "rollout_steps": predictor.rollout_steps,
             "recycles": predictor.recycles,
+            "pairformer_blocks": predictor.pairformer_blocks,
         }
 
     last = None
-    for n_token in sizes:
+    for n_token in fixed_sizes:
         result = timed(n_token, warm_up=True)
         row = fields(n_token, result)
         reference = references.setdefault(n_token, result)
@@ -407,8 +441,7 @@ def _run_provider(
         write({**fields(n_token, result), "ladder": True})
         return result.ms / 1e3
 
-    sizes, steps, recycles = ladder
-    with predictor.shortened(steps, recycles):
+    with predictor.shortened(steps, recycles, blocks):
         for outcome in walk_ladder(attempt, sizes, budget_s, last):
             free_device_memory()
             if outcome["status"] != "ok":
@@ -500,6 +533,13 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     help="Trunk recycles of the ladder's predictions (time, not memory).",
 )
 @click.option(
+    "--ladder-pairformer-blocks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run only the first k of the pairformer stack's blocks in the ladder's "
+    "predictions (time, not memory; the others stay loaded). Default: all.",
+)
+@click.option(
     "--budget-minutes",
     type=float,
     default=10.0,
@@ -518,6 +558,7 @@ def predict_command(
     ladder,
     ladder_rollout_steps,
     ladder_recycles,
+    ladder_pairformer_blocks,
     budget_minutes,
     out_dir,
     quick,
@@ -557,6 +598,7 @@ def predict_command(
             ladder=ladder_sizes,
             ladder_rollout_steps=ladder_rollout_steps,
             ladder_recycles=ladder_recycles,
+            ladder_pairformer_blocks=ladder_pairformer_blocks,
             budget_s=budget_minutes * 60,
             device=device,
             config=config,

@@ -124,22 +124,36 @@ def test_two_runs_of_one_provider_predict_the_same(tmp_path):
     assert read_rows(out) == rows
 
 
-def test_the_ladder_predicts_with_fewer_rollout_steps_and_recycles(
+def test_the_ladder_predicts_with_fewer_rollout_steps_recycles_and_blocks(
     tmp_path, monkeypatch
 ):
-    """Ladder rows roll out ``ladder_rollout_steps`` steps and run
-    ``ladder_recycles`` recycles; the fixed sizes keep the config's counts, and the
-    model has them back after the walk."""
+    """Ladder rows roll out ``ladder_rollout_steps`` steps, run ``ladder_recycles``
+    recycles and the first ``ladder_pairformer_blocks`` blocks (recorded as they
+    run); the fixed sizes keep the config's counts, and the model has them back,
+    every block in place, after the walk."""
     out = tmp_path / bench_predict.JSON_NAME
     predictors = []
+    blocks_run = []
 
     class Recorded(bench_predict.Predictor):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             predictors.append(self)
+            self.every_block = list(self.model.pairformer_stack.blocks)
+            for index, block in enumerate(self.every_block):
+                block.register_forward_hook(
+                    lambda *_, index=index: blocks_run.append(index)
+                )
+
+        def predict(self, batch):
+            blocks_run.clear()
+            prediction = super().predict(batch)
+            self.blocks_run = getattr(self, "blocks_run", []) + [set(blocks_run)]
+            return prediction
 
         def close(self):
-            self.after = (self.rollout_steps, self.recycles)
+            stack = self.model.pairformer_stack
+            self.after = (self.rollout_steps, self.recycles, list(stack.blocks))
             super().close()
 
     monkeypatch.setattr(bench_predict, "Predictor", Recorded)
@@ -150,23 +164,55 @@ def test_the_ladder_predicts_with_fewer_rollout_steps_and_recycles(
         ladder=[24, 32],
         ladder_rollout_steps=2,
         ladder_recycles=0,
+        ladder_pairformer_blocks=1,
         device="cpu",
         config="tiny",
-        update=FEW_ROLLOUT_STEPS,
+        update={
+            "architecture": {
+                **FEW_ROLLOUT_STEPS["architecture"],
+                "pairformer": {"no_blocks": 2},
+            }
+        },
     )
-    recycles = rows[0]["recycles"]
-    assert recycles > 0
+    recycles, blocks = rows[0]["recycles"], rows[0]["pairformer_blocks"]
+    assert recycles > 0 and blocks == 2
     assert [
-        (r["n_token"], r.get("ladder", False), r["rollout_steps"], r["recycles"])
+        (
+            r["n_token"],
+            r.get("ladder", False),
+            r["rollout_steps"],
+            r["recycles"],
+            r["pairformer_blocks"],
+        )
         for r in rows
     ] == [
-        (16, False, 4, recycles),
-        (24, True, 2, 0),
-        (32, True, 2, 0),
+        (16, False, 4, recycles, blocks),
+        (24, True, 2, 0, 1),
+        (32, True, 2, 0, 1),
     ]
     assert all(row["status"] == "ok" for row in rows)
     assert "largest: 32" in bench_predict.format_summary(rows)
-    assert predictors[0].after == (4, recycles)
+    predictor = predictors[0]
+    # warm-up and timed call at 16 tokens, then one call per rung
+    assert predictor.blocks_run == [{0, 1}, {0, 1}, {0}, {0}]
+    assert predictor.after == (4, recycles, predictor.every_block)
+
+
+def test_ladder_pairformer_blocks_beyond_the_stack_are_refused_first(tmp_path):
+    """More blocks than the stack has: one error before any prediction."""
+    out = tmp_path / bench_predict.JSON_NAME
+    with pytest.raises(KitError, match="ladder-pairformer-blocks 99"):
+        bench_predict.run_predict_bench(
+            ["stock"],
+            [16],
+            out,
+            ladder=[24],
+            ladder_pairformer_blocks=99,
+            device="cpu",
+            config="tiny",
+            update=FEW_ROLLOUT_STEPS,
+        )
+    assert not out.exists()
 
 
 def test_quick_command_writes_rows_and_a_summary(tmp_path):

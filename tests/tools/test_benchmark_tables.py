@@ -119,3 +119,18 @@ def test_step_rows_of_record_are_in_the_precision_their_provider_names(
 ):
     row = {"provider": provider, "mode": "step", "recycles": 3}
     assert bt._step_of_record({**row, "matmul_precision": precision}) is shown
+
+
+@pytest.mark.parametrize(
+    "fields, shown",
+    [
+        ({"output_gain": 0.1}, True),
+        ({"output_gain": 0.1, "pairformer_blocks": 48}, True),
+        ({"output_gain": 0.1, "pairformer_blocks": 4}, False),
+        ({}, False),
+    ],
+)
+def test_predict_rows_of_record_drew_the_output_layers_and_ran_every_block(
+    fields, shown
+):
+    assert bt._predict_of_record({"provider": "kit", **fields}) is shown
