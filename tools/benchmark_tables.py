@@ -112,9 +112,8 @@ def _fwd_bwd(row: Row) -> bool:
 
 def _predict_of_record(row: Row) -> bool:
     """A prediction row of the table: OF3's zero output layers drawn at bench
-    predict's gain, and the pairformer stack's 48 blocks run (a walk with
-    ``--ladder-pairformer-blocks`` times less, for its peak; docs/benchmarks.md
-    quotes those)."""
+    predict's gain, and all 48 of the pairformer stack's blocks run (a walk with
+    ``--ladder-pairformer-blocks`` is for its peak; its times are not the model's)."""
     return "output_gain" in row and row.get("pairformer_blocks", 48) == 48
 
 

@@ -138,6 +138,17 @@ class Prediction:
     positions: torch.Tensor  # [N_samples, N_atom, 3] on the CPU, fp32
 
 
+@dataclass(frozen=True)
+class Ladder:
+    """The largest-query walk (module docstring): its sizes, and the rollout
+    steps, recycles and pairformer blocks of its predictions (None: the config's)."""
+
+    sizes: Sequence[int]
+    rollout_steps: int | None
+    recycles: int | None
+    pairformer_blocks: int | None
+
+
 class Predictor:
     """One provider's model in eval mode, ready to predict random queries.
 
@@ -223,8 +234,8 @@ class Predictor:
     ) -> Iterator[None]:
         """Within, predictions roll out ``steps`` steps, run ``recycles`` recycles
         and the first ``blocks`` of the pairformer stack's blocks (None: the
-        config's). The blocks left out stay on the device: the weights' memory is
-        the full model's."""
+        config's counts, every block). The blocks left out stay on the device:
+        the weights' memory is the full model's."""
         shared, stack = self.model.shared, self.model.pairformer_stack
         before = shared.diffusion.no_full_rollout_steps, shared.num_recycles
         every_block = stack.blocks
@@ -367,7 +378,7 @@ def run_predict_bench(
             _run_provider(
                 predictor,
                 sizes,
-                (
+                Ladder(
                     ladder,
                     ladder_rollout_steps,
                     ladder_recycles,
@@ -386,7 +397,7 @@ def run_predict_bench(
 def _run_provider(
     predictor: Predictor,
     fixed_sizes: Sequence[int],
-    ladder: tuple[Sequence[int], int | None, int | None, int | None],
+    ladder: Ladder,
     budget_s: float,
     msa_templ: tuple[int, int],
     references: dict[int, Prediction],
@@ -394,14 +405,13 @@ def _run_provider(
 ) -> None:
     """One provider: a warm-up and a timed prediction at each of ``fixed_sizes``, the
     outputs compared with ``references`` (the first provider's, filled in by it),
-    then the ladder walk (its sizes, rollout steps, recycles and pairformer
-    blocks), one prediction per size.
+    then the ladder walk, one prediction per size.
 
     Raises:
         KitError: the ladder's pairformer blocks are not within 1 and the stack's
             block count (before anything is predicted).
     """
-    sizes, steps, recycles, blocks = ladder
+    blocks = ladder.pairformer_blocks
     if blocks is not None and not 1 <= blocks <= predictor.pairformer_blocks:
         raise KitError(
             f"--ladder-pairformer-blocks {blocks}: the pairformer stack has "
@@ -441,8 +451,8 @@ def _run_provider(
         write({**fields(n_token, result), "ladder": True})
         return result.ms / 1e3
 
-    with predictor.shortened(steps, recycles, blocks):
-        for outcome in walk_ladder(attempt, sizes, budget_s, last):
+    with predictor.shortened(ladder.rollout_steps, ladder.recycles, blocks):
+        for outcome in walk_ladder(attempt, ladder.sizes, budget_s, last):
             free_device_memory()
             if outcome["status"] != "ok":
                 write({**outcome, "ladder": True})

@@ -139,6 +139,7 @@ def test_the_ladder_predicts_with_fewer_rollout_steps_recycles_and_blocks(
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             predictors.append(self)
+            self.blocks_run = []
             self.every_block = list(self.model.pairformer_stack.blocks)
             for index, block in enumerate(self.every_block):
                 block.register_forward_hook(
@@ -148,7 +149,7 @@ def test_the_ladder_predicts_with_fewer_rollout_steps_recycles_and_blocks(
         def predict(self, batch):
             blocks_run.clear()
             prediction = super().predict(batch)
-            self.blocks_run = getattr(self, "blocks_run", []) + [set(blocks_run)]
+            self.blocks_run.append(set(blocks_run))
             return prediction
 
         def close(self):
