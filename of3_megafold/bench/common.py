@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -283,6 +284,24 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and (
         "CUDA out of memory" in message or "CUBLAS_STATUS_ALLOC_FAILED" in message
     )
+
+
+_OWN_CODE = (f"{os.sep}openfold3{os.sep}", f"{os.sep}of3_megafold{os.sep}")
+
+
+def out_of_memory_account(error: BaseException) -> dict[str, str]:
+    """What an out-of-memory ``error`` says of itself, for a benchmark row:
+    ``oom_message``, torch's account of the failed allocation (what it tried to
+    allocate, what was free, allocated and reserved but unallocated) without its
+    advice; ``oom_raised_in``, the innermost frame of OF3 or the kit
+    (``module.function``) or, without one, the innermost frame."""
+    message = " ".join(str(error).split())
+    message = message.split(" If reserved but unallocated")[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if any(part in f.filename for part in _OWN_CODE)]
+    frame = (ours or frames or [None])[-1]
+    raised_in = "" if frame is None else f"{Path(frame.filename).stem}.{frame.name}"
+    return {"oom_message": message[:400], "oom_raised_in": raised_in}
 
 
 def free_device_memory() -> None:

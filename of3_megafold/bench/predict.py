@@ -34,7 +34,8 @@ gain drew them at unit gain, and rows without ``weights`` kept OF3's zero output
 layers (their ``positions_rms_a``, 0.0, compared nothing).
 
 The largest size: after the fixed sizes, each provider walks ``--ladder`` upwards
-until a prediction runs out of memory (a row with ``status: "oom"``). The walk's
+until a prediction runs out of memory (a row with ``status: "oom"``, torch's
+account of the failed allocation and the function that asked for it). The walk's
 predictions roll out ``--ladder-rollout-steps`` steps (20) instead of 200, run
 ``--ladder-recycles`` recycles (0) instead of 3 and, with
 ``--ladder-pairformer-blocks k``, the first k of the pairformer stack's 48 blocks:
@@ -70,6 +71,7 @@ from of3_megafold.bench.common import (
     free_device_memory,
     is_out_of_memory,
     out_dir_option,
+    out_of_memory_account,
     parse_ints,
     read_rows,
 )
@@ -299,7 +301,8 @@ def walk_ladder(
 
     ``attempt(n)`` predicts at ``n`` tokens and returns its seconds, or raises an
     out-of-memory error. Yields ``{"n_token", "status": "ok", "seconds"}``, then at
-    the first out-of-memory ``{"n_token", "status": "oom"}`` and stops; stops with
+    the first out-of-memory ``{"n_token", "status": "oom", "oom_message",
+    "oom_raised_in"}`` (:func:`out_of_memory_account`) and stops; stops with
     ``{"n_token", "status": "skipped", "reason"}`` when the next size's predicted
     time (``last`` seconds at ``last`` size, scaled by the cube of the size ratio)
     exceeds what is left of ``budget_s``. ``last`` seeds the prediction with an
@@ -323,10 +326,15 @@ def walk_ladder(
         except Exception as error:  # noqa: BLE001 - only OOM is an outcome
             if not is_out_of_memory(error):
                 raise
-            yield {"n_token": n, "status": "oom"}
-            return
-        last = (n, seconds)
-        yield {"n_token": n, "status": "ok", "seconds": seconds}
+            account = out_of_memory_account(error)
+        else:
+            last = (n, seconds)
+            yield {"n_token": n, "status": "ok", "seconds": seconds}
+            continue
+        # Yielded outside the except block: the error's traceback, which holds the
+        # failed prediction's tensors, is gone before the caller frees memory.
+        yield {"n_token": n, "status": "oom", **account}
+        return
 
 
 def run_predict_bench(
@@ -458,10 +466,17 @@ def _run_provider(
                 write({**outcome, "ladder": True})
 
 
+def _stop_reason(row: dict[str, Any]) -> str | None:
+    """Why a ladder row is not ``ok``: a skip's reason, an out-of-memory's function."""
+    raised_in = row.get("oom_raised_in")
+    return row.get("reason") or (f"in {raised_in}" if raised_in else None)
+
+
 def _describe(row: dict[str, Any]) -> str:
     head = f"  {row['provider']:<13}{row['n_token']:>6} tokens: "
     if row["status"] != "ok":
-        return head + row["status"] + (f" ({row['reason']})" if "reason" in row else "")
+        why = _stop_reason(row)
+        return head + row["status"] + (f" ({why})" if why else "")
     text = f"{row['ms'] / 1e3:8.2f} s"
     if row.get("peak_gib") is not None:
         text += f", {row['peak_gib']:.1f} GiB"
@@ -501,7 +516,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{provider:<14} largest: {largest}"
             + (f"; {stop['n_token']}: {stop['status']}" if stop else "")
-            + (f" ({stop['reason']})" if stop and "reason" in stop else "")
+            + (f" ({_stop_reason(stop)})" if stop and _stop_reason(stop) else "")
         )
     return "\n".join(lines)
 

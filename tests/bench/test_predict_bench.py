@@ -34,7 +34,12 @@ def test_the_kit_predicts_with_the_eval_keys_of_all_on():
 
 
 def _oom(n):
-    raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at {n}")
+    raise torch.cuda.OutOfMemoryError(
+        f"CUDA out of memory at {n}. Tried to allocate 3.28 GiB. Of the allocated "
+        "memory 70.3 GiB is allocated by PyTorch, and 6.2 GiB is reserved by "
+        "PyTorch but unallocated. If reserved but unallocated memory is large try "
+        "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
 
 
 def test_no_output_layer_is_left_at_zero_and_the_draw_is_seeded():
@@ -86,6 +91,14 @@ def test_walk_ladder_stops_at_the_first_out_of_memory():
         (3000, "oom"),
     ]
     assert tried == [1000, 2000, 3000]  # nothing after the first failure
+    # The out-of-memory row keeps torch's account, without its advice, and the
+    # innermost frame of the kit's (or OF3's) code that asked for the memory (the
+    # test's own frames are neither).
+    oom = outcomes[-1]
+    assert oom["oom_message"].startswith("CUDA out of memory at 3000. Tried to")
+    assert oom["oom_message"].endswith("reserved by PyTorch but unallocated.")
+    assert "expandable_segments" not in oom["oom_message"]
+    assert oom["oom_raised_in"] == "predict.walk_ladder"
 
 
 def test_walk_ladder_skips_a_size_predicted_to_overrun_the_budget():
