@@ -432,6 +432,13 @@ def _run_provider(
             predictor.predict(batch)  # compiles, autotunes, tunes chunk sizes
         return predictor.predict(batch)
 
+    def settings() -> dict[str, int]:
+        return {
+            "rollout_steps": predictor.rollout_steps,
+            "recycles": predictor.recycles,
+            "pairformer_blocks": predictor.pairformer_blocks,
+        }
+
     def fields(n_token: int, result: Prediction) -> dict[str, Any]:
         peak = None if result.peak_gib is None else round(result.peak_gib, 3)
         return {
@@ -439,9 +446,7 @@ def _run_provider(
             "status": "ok",
             "ms": round(result.ms, 1),
             "peak_gib": peak,
-            "rollout_steps": predictor.rollout_steps,
-            "recycles": predictor.recycles,
-            "pairformer_blocks": predictor.pairformer_blocks,
+            **settings(),
         }
 
     last = None
@@ -463,7 +468,7 @@ def _run_provider(
         for outcome in walk_ladder(attempt, ladder.sizes, budget_s, last):
             free_device_memory()
             if outcome["status"] != "ok":
-                write({**outcome, "ladder": True})
+                write({**outcome, **settings(), "ladder": True})
 
 
 def _stop_reason(row: dict[str, Any]) -> str | None:

@@ -212,6 +212,44 @@ def test_the_ladder_predicts_with_fewer_rollout_steps_recycles_and_blocks(
     assert predictor.after == (4, recycles, predictor.every_block)
 
 
+def test_an_out_of_memory_rung_is_a_row_with_its_account_and_settings(
+    tmp_path, monkeypatch
+):
+    """The rung that runs out of memory is written like the others (its rollout
+    steps, recycles and blocks) with torch's account of the failure, and ends the
+    walk."""
+
+    class OutOfMemoryAt32(bench_predict.Predictor):
+        def predict(self, batch):
+            if batch["token_mask"].shape[-1] == 32:
+                _oom(32)
+            return super().predict(batch)
+
+    monkeypatch.setattr(bench_predict, "Predictor", OutOfMemoryAt32)
+    out = tmp_path / bench_predict.JSON_NAME
+    rows = bench_predict.run_predict_bench(
+        ["stock"],
+        [],
+        out,
+        ladder=[24, 32, 40],
+        ladder_rollout_steps=2,
+        ladder_pairformer_blocks=1,
+        device="cpu",
+        config="tiny",
+        update=FEW_ROLLOUT_STEPS,
+    )
+    assert read_rows(out) == rows
+    assert [(r["n_token"], r["status"]) for r in rows] == [(24, "ok"), (32, "oom")]
+    oom = rows[-1]
+    settings = oom["rollout_steps"], oom["recycles"], oom["pairformer_blocks"]
+    assert settings == (2, 0, 1)
+    assert oom["ladder"] is True
+    assert oom["oom_message"].startswith("CUDA out of memory at 32.")
+    # the innermost frame of the kit's code (the test's own frames are not)
+    assert oom["oom_raised_in"] == "predict.timed"
+    assert "32: oom (in predict.timed)" in bench_predict.format_summary(rows)
+
+
 def test_ladder_pairformer_blocks_beyond_the_stack_are_refused_first(tmp_path):
     """More blocks than the stack has: one error before any prediction."""
     out = tmp_path / bench_predict.JSON_NAME
