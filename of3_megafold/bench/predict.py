@@ -518,10 +518,11 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
             (row["n_token"] for row in own if row["status"] == "ok"), default=None
         )
         stop = next((row for row in own if row["status"] != "ok"), None)
+        why = _stop_reason(stop) if stop else None
         lines.append(
             f"{provider:<14} largest: {largest}"
             + (f"; {stop['n_token']}: {stop['status']}" if stop else "")
-            + (f" ({_stop_reason(stop)})" if stop and _stop_reason(stop) else "")
+            + (f" ({why})" if why else "")
         )
     return "\n".join(lines)
 
